@@ -1,0 +1,137 @@
+//! `tern`: the command line. Thin: every subcommand parses its arguments and calls a library.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use serde_json::Value;
+use tern_model::safetensors::{self, Dtype};
+use tern_model::{Logits, State, Weights};
+
+#[derive(Parser)]
+#[command(name = "tern", version, about = "An inference engine for Qwen3.6-35B-A3B")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Write the logits of a sequence of token ids (one f32 tensor `logits` [n_ids, vocab]).
+    Logits {
+        /// Model directory (config.json + safetensors).
+        #[arg(long)]
+        model: PathBuf,
+        /// Token ids separated by spaces or commas.
+        #[arg(long)]
+        ids: String,
+        /// Output safetensors file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Prefill the first K ids, then decode the rest one token at a time.
+        #[arg(long)]
+        split: Option<usize>,
+    },
+    /// Write a random checkpoint of a config in the official layout.
+    RandomModel {
+        /// config.json, or a directory holding one.
+        #[arg(long)]
+        config: PathBuf,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Storage dtype: bf16, f16 or f32.
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Copy tokenizer.json, tokenizer_config.json, chat_template.jinja and generation_config.json from here.
+        #[arg(long)]
+        tokenizer_from: Option<PathBuf>,
+        /// Override a text_config field, e.g. `--set hidden_size=64 --set num_hidden_layers=4` (JSON values).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+    },
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Logits { model, ids, out, split } => logits(&model, &ids, &out, split),
+        Cmd::RandomModel { config, out, dtype, seed, tokenizer_from, set } => {
+            random_model(&config, &out, &dtype, seed, tokenizer_from.as_deref(), &set)
+        }
+    }
+}
+
+fn parse_ids(s: &str, vocab: usize) -> Result<Vec<u32>> {
+    let ids = s
+        .split(|c: char| c.is_whitespace() || c == ',')
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse::<u32>().with_context(|| format!("--ids: {t:?} is not a token id")))
+        .collect::<Result<Vec<_>>>()?;
+    if ids.is_empty() {
+        bail!("--ids: no token ids given");
+    }
+    if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+        bail!("--ids: token id {bad} is outside the vocabulary (size {vocab})");
+    }
+    Ok(ids)
+}
+
+fn logits(model: &Path, ids: &str, out: &Path, split: Option<usize>) -> Result<()> {
+    let t0 = Instant::now();
+    let w = Weights::load(model)?;
+    let ids = parse_ids(ids, w.config.vocab_size)?;
+    let n = ids.len();
+    let k = split.unwrap_or(n);
+    if k == 0 || k > n {
+        bail!("--split {k}: must be between 1 and the number of ids ({n})");
+    }
+    eprintln!("loaded {} in {:.2}s", model.display(), t0.elapsed().as_secs_f64());
+    let t1 = Instant::now();
+    let mut state = State::new(&w.config);
+    let mut rows = w.forward(&ids[..k], &mut state, Logits::All);
+    for &id in &ids[k..] {
+        rows.extend(w.forward(&[id], &mut state, Logits::All));
+    }
+    eprintln!("{n} positions ({k} prefilled, {} decoded) in {:.2}s", n - k, t1.elapsed().as_secs_f64());
+    safetensors::write_f32(out, &[("logits", &[n, w.config.vocab_size], &rows)])?;
+    eprintln!("wrote {}", out.display());
+    Ok(())
+}
+
+fn random_model(config: &Path, out: &Path, dtype: &str, seed: u64, tok: Option<&Path>, set: &[String]) -> Result<()> {
+    let path = if config.is_dir() { config.join("config.json") } else { config.to_path_buf() };
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut cfg: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+    for kv in set {
+        let (k, v) = kv.split_once('=').with_context(|| format!("--set {kv}: expected KEY=VALUE"))?;
+        let v: Value = serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.to_owned()));
+        let target = if cfg.get("text_config").is_some() { &mut cfg["text_config"] } else { &mut cfg };
+        target[k] = v;
+        // An explicit layer count without explicit layer types: derive them from full_attention_interval.
+        if k == "num_hidden_layers" && !set.iter().any(|s| s.starts_with("layer_types=")) {
+            if let Some(o) = target.as_object_mut() {
+                o.remove("layer_types");
+            }
+        }
+    }
+    let dtype = match dtype {
+        "bf16" | "bfloat16" => Dtype::BF16,
+        "f16" | "float16" => Dtype::F16,
+        "f32" | "float32" => Dtype::F32,
+        d => bail!("--dtype {d}: expected bf16, f16 or f32"),
+    };
+    let t0 = Instant::now();
+    tern_model::random::write_random_model(&cfg, out, dtype, seed, tok)?;
+    eprintln!("wrote {} in {:.1}s", out.display(), t0.elapsed().as_secs_f64());
+    Ok(())
+}

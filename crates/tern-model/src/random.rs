@@ -1,0 +1,200 @@
+//! `tern random-model`: a random checkpoint of any config, in the official names and layout.
+//!
+//! Values follow the same scales as tools/make_fixtures.py, chosen so activations and logits are O(1): unit-gain
+//! linear layers (std 1/sqrt(in)), unit embeddings, (1+w) norm offsets in ±0.5, gated-norm gains in 0.5..1.5,
+//! A_log in -1.5..0.5, dt_bias in ±1. Tensors are generated and written one at a time, so any size can be
+//! written in bounded memory.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use crate::config::{Config, LayerKind};
+use crate::safetensors::{encode_floats, write, Dtype, TensorSpec};
+
+/// How a tensor's random values are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Init {
+    /// Normal with this standard deviation.
+    Normal(f32),
+    /// Uniform in [lo, hi).
+    Uniform(f32, f32),
+}
+
+/// The official tensors of a config: name, shape, init. `A_log` and the gated-norm weight are f32 in the
+/// official checkpoints (the flag).
+fn official_tensors(c: &Config) -> Vec<(String, Vec<usize>, Init, bool)> {
+    let h = c.hidden_size;
+    let lin = |rows: usize, cols: usize| (vec![rows, cols], Init::Normal(1.0 / (cols as f32).sqrt()));
+    let mut t = Vec::new();
+    let mut add = |name: String, (shape, init): (Vec<usize>, Init), f32_always: bool| {
+        t.push((name, shape, init, f32_always))
+    };
+    let p = "model.language_model.";
+    add(format!("{p}embed_tokens.weight"), (vec![c.vocab_size, h], Init::Normal(1.0)), false);
+    for (i, kind) in c.layer_types.iter().enumerate() {
+        let l = format!("{p}layers.{i}.");
+        let norm1p = |n: usize| (vec![n], Init::Uniform(-0.5, 0.5));
+        add(format!("{l}input_layernorm.weight"), norm1p(h), false);
+        add(format!("{l}post_attention_layernorm.weight"), norm1p(h), false);
+        match kind {
+            LayerKind::Full => {
+                let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                add(format!("{l}self_attn.q_proj.weight"), lin(nh * hd * 2, h), false);
+                add(format!("{l}self_attn.k_proj.weight"), lin(nkv * hd, h), false);
+                add(format!("{l}self_attn.v_proj.weight"), lin(nkv * hd, h), false);
+                add(format!("{l}self_attn.o_proj.weight"), lin(h, nh * hd), false);
+                add(format!("{l}self_attn.q_norm.weight"), norm1p(hd), false);
+                add(format!("{l}self_attn.k_norm.weight"), norm1p(hd), false);
+            }
+            LayerKind::Linear => {
+                let (hv, kk) = (c.linear_num_value_heads, c.linear_conv_kernel_dim);
+                add(format!("{l}linear_attn.in_proj_qkv.weight"), lin(c.linear_conv_dim(), h), false);
+                add(format!("{l}linear_attn.in_proj_z.weight"), lin(c.linear_value_dim(), h), false);
+                add(format!("{l}linear_attn.in_proj_b.weight"), lin(hv, h), false);
+                add(format!("{l}linear_attn.in_proj_a.weight"), lin(hv, h), false);
+                add(format!("{l}linear_attn.conv1d.weight"), (vec![c.linear_conv_dim(), 1, kk], Init::Normal(0.5)), false);
+                add(format!("{l}linear_attn.A_log"), (vec![hv], Init::Uniform(-1.5, 0.5)), true);
+                add(format!("{l}linear_attn.dt_bias"), (vec![hv], Init::Uniform(-1.0, 1.0)), false);
+                add(format!("{l}linear_attn.norm.weight"), (vec![c.linear_value_head_dim], Init::Uniform(0.5, 1.5)), true);
+                add(format!("{l}linear_attn.out_proj.weight"), lin(h, c.linear_value_dim()), false);
+            }
+        }
+        let (e, im, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+        add(format!("{l}mlp.gate.weight"), (vec![e, h], Init::Normal(2.0 / (h as f32).sqrt())), false);
+        add(format!("{l}mlp.experts.gate_up_proj"), (vec![e, 2 * im, h], Init::Normal(1.0 / (h as f32).sqrt())), false);
+        add(format!("{l}mlp.experts.down_proj"), (vec![e, h, im], Init::Normal(1.0 / (im as f32).sqrt())), false);
+        add(format!("{l}mlp.shared_expert.gate_proj.weight"), lin(si, h), false);
+        add(format!("{l}mlp.shared_expert.up_proj.weight"), lin(si, h), false);
+        add(format!("{l}mlp.shared_expert.down_proj.weight"), lin(h, si), false);
+        add(format!("{l}mlp.shared_expert_gate.weight"), lin(1, h), false);
+    }
+    add(format!("{p}norm.weight"), (vec![h], Init::Uniform(-0.5, 0.5)), false);
+    if !c.tie_word_embeddings {
+        add("lm_head.weight".into(), lin(c.vocab_size, h), false);
+    }
+    t
+}
+
+/// A small, fast, seedable generator (splitmix64) with uniform and normal draws.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f32 {
+        let u1 = ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let u2 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+}
+
+/// Largest shard before the writer starts another file (with an index), like Hugging Face's default 5 GB.
+const SHARD_BYTES: usize = 5_000_000_000;
+
+/// Write a random checkpoint of `config_json` (a config.json value, nested or flat) to `out`.
+pub fn write_random_model(
+    config_json: &Value,
+    out: &Path,
+    dtype: Dtype,
+    seed: u64,
+    tokenizer_from: Option<&Path>,
+) -> Result<()> {
+    if !matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+        bail!("--dtype must be f32, f16 or bf16");
+    }
+    let c = Config::from_json(config_json)?;
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let mut cfg = config_json.clone();
+    let dname = match dtype {
+        Dtype::F32 => "float32",
+        Dtype::F16 => "float16",
+        _ => "bfloat16",
+    };
+    match cfg.get_mut("text_config") {
+        Some(t) => t["dtype"] = dname.into(),
+        None => cfg["dtype"] = dname.into(),
+    }
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
+
+    let tensors = official_tensors(&c);
+    let mut shards: Vec<Vec<usize>> = vec![vec![]];
+    let mut size = 0;
+    for (i, (_, shape, _, f32_always)) in tensors.iter().enumerate() {
+        let bytes = shape.iter().product::<usize>() * if *f32_always { 4 } else { dtype.size() };
+        if size > 0 && size + bytes > SHARD_BYTES {
+            shards.push(vec![]);
+            size = 0;
+        }
+        shards.last_mut().unwrap().push(i);
+        size += bytes;
+    }
+    let mut weight_map = serde_json::Map::new();
+    let meta = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+    let mut rng = Rng::new(seed);
+    for (si, members) in shards.iter().enumerate() {
+        let file = if shards.len() == 1 {
+            "model.safetensors".to_owned()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", si + 1, shards.len())
+        };
+        let specs: Vec<TensorSpec> = members
+            .iter()
+            .map(|&i| {
+                let (name, shape, _, f32_always) = &tensors[i];
+                weight_map.insert(name.clone(), file.clone().into());
+                TensorSpec { name: name.clone(), dtype: if *f32_always { Dtype::F32 } else { dtype }, shape: shape.clone() }
+            })
+            .collect();
+        write(&out.join(&file), &specs, &meta, |k, buf| {
+            let (_, shape, init, _) = &tensors[members[k]];
+            let n: usize = shape.iter().product();
+            let values: Vec<f32> = (0..n)
+                .map(|_| match *init {
+                    Init::Normal(std) => rng.normal() * std,
+                    Init::Uniform(lo, hi) => lo + (hi - lo) * rng.uniform(),
+                })
+                .collect();
+            encode_floats(&values, specs[k].dtype, buf)
+        })?;
+    }
+    if shards.len() > 1 {
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(out.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
+    }
+    if let Some(src) = tokenizer_from {
+        copy_tokenizer_files(src, out)?;
+    }
+    Ok(())
+}
+
+/// Copy the tokenizer, chat template and generation config of a model directory.
+pub fn copy_tokenizer_files(src: &Path, out: &Path) -> Result<()> {
+    let files = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"];
+    let mut copied = 0;
+    for f in files {
+        if src.join(f).exists() {
+            std::fs::copy(src.join(f), out.join(f)).with_context(|| format!("copying {}", src.join(f).display()))?;
+            copied += 1;
+        }
+    }
+    if copied == 0 {
+        bail!("--tokenizer-from {}: no tokenizer files there", src.display());
+    }
+    Ok(())
+}
