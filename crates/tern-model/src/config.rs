@@ -63,8 +63,7 @@ impl Config {
     pub fn from_dir(dir: &Path) -> Result<Config> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        let v: Value =
-            serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+        let v: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
         Config::from_json(&v).with_context(|| format!("in {}", path.display()))
     }
 
@@ -190,20 +189,24 @@ impl Config {
     }
 
     fn validate(&self, partial: f64) -> Result<()> {
-        if !(partial > 0.0 && partial <= 1.0) {
+        if partial.is_nan() || partial <= 0.0 || partial > 1.0 {
             bail!("partial_rotary_factor: must be in (0, 1], got {partial}");
         }
-        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 {
-            bail!("partial_rotary_factor: head_dim {} × {partial} gives rotary dim {}, which must be even and positive", self.head_dim, self.rotary_dim);
+        if self.rotary_dim == 0 || !self.rotary_dim.is_multiple_of(2) {
+            bail!(
+                "partial_rotary_factor: head_dim {} × {partial} gives rotary dim {}, which must be even and positive",
+                self.head_dim,
+                self.rotary_dim
+            );
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             bail!(
                 "num_key_value_heads: {} does not divide num_attention_heads {}",
                 self.num_key_value_heads,
                 self.num_attention_heads
             );
         }
-        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+        if !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads) {
             bail!(
                 "linear_num_key_heads: {} does not divide linear_num_value_heads {}",
                 self.linear_num_key_heads,
@@ -213,10 +216,10 @@ impl Config {
         if self.num_experts_per_tok > self.num_experts {
             bail!("num_experts_per_tok: {} exceeds num_experts {}", self.num_experts_per_tok, self.num_experts);
         }
-        if !(self.rms_norm_eps > 0.0 && self.rms_norm_eps < 1.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 || self.rms_norm_eps >= 1.0 {
             bail!("rms_norm_eps: must be in (0, 1), got {}", self.rms_norm_eps);
         }
-        if !(self.rope_theta > 1.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 1.0 {
             bail!("rope_theta: must be > 1, got {}", self.rope_theta);
         }
         Ok(())

@@ -11,11 +11,13 @@ use crate::weights::{dot, Attention, GatedDeltaNet, Layer, Linear, Mixer, Mlp, M
 
 /// Per-sequence state: the KV cache of every attention layer, the conv inputs and f32 recurrent state of every
 /// Gated DeltaNet layer, and the number of tokens read so far.
+#[derive(Clone)]
 pub struct State {
     pub pos: usize,
     pub layers: Vec<LayerState>,
 }
 
+#[derive(Clone)]
 pub enum LayerState {
     Attention {
         /// `[pos, kv_heads * head_dim]` each, keys after norm and RoPE.
@@ -132,7 +134,15 @@ fn project(l: &Linear, x: &[f32], n: usize) -> Vec<f32> {
 
 /// Gated full attention (§2.2): per-head interleaved query/gate, q/k (1+w) norms, NeoX RoPE on the first
 /// `rotary_dim` dims, GQA causal softmax attention over the cache, sigmoid output gate, o_proj.
-fn attention(c: &Config, a: &Attention, kc: &mut Vec<f32>, vc: &mut Vec<f32>, pos: usize, u: &[f32], n: usize) -> Vec<f32> {
+fn attention(
+    c: &Config,
+    a: &Attention,
+    kc: &mut Vec<f32>,
+    vc: &mut Vec<f32>,
+    pos: usize,
+    u: &[f32],
+    n: usize,
+) -> Vec<f32> {
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let qg = project(&a.q_proj, u, n);
     let mut k = project(&a.k_proj, u, n);

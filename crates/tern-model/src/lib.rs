@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod forward;
+pub mod quant;
 pub mod random;
 pub mod safetensors;
 pub mod weights;
@@ -29,4 +30,3 @@ pub mod testutil {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
     }
 }
-pub mod quant;

@@ -29,9 +29,8 @@ fn official_tensors(c: &Config) -> Vec<(String, Vec<usize>, Init, bool)> {
     let h = c.hidden_size;
     let lin = |rows: usize, cols: usize| (vec![rows, cols], Init::Normal(1.0 / (cols as f32).sqrt()));
     let mut t = Vec::new();
-    let mut add = |name: String, (shape, init): (Vec<usize>, Init), f32_always: bool| {
-        t.push((name, shape, init, f32_always))
-    };
+    let mut add =
+        |name: String, (shape, init): (Vec<usize>, Init), f32_always: bool| t.push((name, shape, init, f32_always));
     let p = "model.language_model.";
     add(format!("{p}embed_tokens.weight"), (vec![c.vocab_size, h], Init::Normal(1.0)), false);
     for (i, kind) in c.layer_types.iter().enumerate() {
@@ -55,10 +54,18 @@ fn official_tensors(c: &Config) -> Vec<(String, Vec<usize>, Init, bool)> {
                 add(format!("{l}linear_attn.in_proj_z.weight"), lin(c.linear_value_dim(), h), false);
                 add(format!("{l}linear_attn.in_proj_b.weight"), lin(hv, h), false);
                 add(format!("{l}linear_attn.in_proj_a.weight"), lin(hv, h), false);
-                add(format!("{l}linear_attn.conv1d.weight"), (vec![c.linear_conv_dim(), 1, kk], Init::Normal(0.5)), false);
+                add(
+                    format!("{l}linear_attn.conv1d.weight"),
+                    (vec![c.linear_conv_dim(), 1, kk], Init::Normal(0.5)),
+                    false,
+                );
                 add(format!("{l}linear_attn.A_log"), (vec![hv], Init::Uniform(-1.5, 0.5)), true);
                 add(format!("{l}linear_attn.dt_bias"), (vec![hv], Init::Uniform(-1.0, 1.0)), false);
-                add(format!("{l}linear_attn.norm.weight"), (vec![c.linear_value_head_dim], Init::Uniform(0.5, 1.5)), true);
+                add(
+                    format!("{l}linear_attn.norm.weight"),
+                    (vec![c.linear_value_head_dim], Init::Uniform(0.5, 1.5)),
+                    true,
+                );
                 add(format!("{l}linear_attn.out_proj.weight"), lin(h, c.linear_value_dim()), false);
             }
         }
@@ -158,7 +165,11 @@ pub fn write_random_model(
             .map(|&i| {
                 let (name, shape, _, f32_always) = &tensors[i];
                 weight_map.insert(name.clone(), file.clone().into());
-                TensorSpec { name: name.clone(), dtype: if *f32_always { Dtype::F32 } else { dtype }, shape: shape.clone() }
+                TensorSpec {
+                    name: name.clone(),
+                    dtype: if *f32_always { Dtype::F32 } else { dtype },
+                    shape: shape.clone(),
+                }
             })
             .collect();
         write(&out.join(&file), &specs, &meta, |k, buf| {

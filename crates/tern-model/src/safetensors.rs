@@ -102,8 +102,8 @@ impl SafeTensors {
             )));
         }
         let n = n as usize;
-        let header: Map<String, Value> = serde_json::from_slice(&map[8..8 + n])
-            .map_err(|e| fail(format!("header is not valid JSON: {e}")))?;
+        let header: Map<String, Value> =
+            serde_json::from_slice(&map[8..8 + n]).map_err(|e| fail(format!("header is not valid JSON: {e}")))?;
         let data_start = 8 + n;
         let data_len = map.len() - data_start;
         let mut entries = BTreeMap::new();
@@ -127,7 +127,8 @@ impl SafeTensors {
                 (Some(s), Some(e)) if offs.len() == 2 => (s as usize, e as usize),
                 _ => return Err(bad("data_offsets is not [begin, end]")),
             };
-            let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
+            let numel =
+                shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| bad("shape overflows"))?;
             let want = numel.checked_mul(dtype.size()).ok_or_else(|| bad("size overflows"))?;
             if start > end || end - start != want {
                 return Err(bad(&format!(
@@ -175,9 +176,7 @@ impl TensorView<'_> {
         let b = self.bytes;
         Ok(match self.dtype {
             Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            Dtype::F16 => {
-                b.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect()
-            }
+            Dtype::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect(),
             Dtype::BF16 => {
                 b.chunks_exact(2).map(|c| half::bf16::from_le_bytes(c.try_into().unwrap()).to_f32()).collect()
             }
@@ -214,8 +213,8 @@ impl Checkpoint {
         let mut names: Vec<String> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("cannot read {}", index_path.display()))?;
-            let v: Value = serde_json::from_str(&text)
-                .with_context(|| format!("{}: not valid JSON", index_path.display()))?;
+            let v: Value =
+                serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", index_path.display()))?;
             let map = v
                 .get("weight_map")
                 .and_then(Value::as_object)
@@ -298,7 +297,10 @@ pub fn write(
     let mut offset = 0usize;
     for s in specs {
         let n = s.bytes();
-        header.insert(s.name.clone(), json!({"dtype": s.dtype.name(), "shape": s.shape, "data_offsets": [offset, offset + n]}));
+        header.insert(
+            s.name.clone(),
+            json!({"dtype": s.dtype.name(), "shape": s.shape, "data_offsets": [offset, offset + n]}),
+        );
         offset += n;
     }
     let mut text = serde_json::to_vec(&Value::Object(header))?;

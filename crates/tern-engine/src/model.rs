@@ -1,0 +1,71 @@
+//! A model directory made ready to serve: the backend with its weights, the tokenizer, the chat template and
+//! the generation defaults.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use tern_text::{ChatTemplate, SamplingParams, Tokenizer, DEFAULT_STOP_IDS};
+
+use crate::backend::{Backend, CpuBackend};
+
+pub struct Model {
+    pub dir: PathBuf,
+    /// The id clients use (`model` field of the OpenAI API): the directory name.
+    pub name: String,
+    pub backend: Arc<dyn Backend>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub sampling: SamplingParams,
+    pub stop_ids: Vec<u32>,
+}
+
+impl Model {
+    /// Load a model directory onto the CPU backend.
+    pub fn load_cpu(dir: &Path) -> Result<Model> {
+        let weights = tern_model::Weights::load(dir)?;
+        Model::with_backend(dir, Arc::new(CpuBackend::new(weights)))
+    }
+
+    pub fn with_backend(dir: &Path, backend: Arc<dyn Backend>) -> Result<Model> {
+        let tokenizer =
+            Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+        let template = ChatTemplate::from_dir(dir)?;
+        let sampling = if dir.join("generation_config.json").exists() {
+            SamplingParams::from_generation_config(dir)?
+        } else {
+            SamplingParams::default()
+        };
+        let stop_ids = stop_ids(dir)?;
+        let name = dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "tern".into());
+        Ok(Model {
+            dir: dir.to_path_buf(),
+            name,
+            backend,
+            tokenizer: Arc::new(tokenizer),
+            template: Arc::new(template),
+            sampling,
+            stop_ids,
+        })
+    }
+}
+
+/// `eos_token_id` of generation_config.json (one id or a list), else the model's default stop ids.
+fn stop_ids(dir: &Path) -> Result<Vec<u32>> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(DEFAULT_STOP_IDS.to_vec());
+    }
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+    Ok(match &v["eos_token_id"] {
+        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        serde_json::Value::Number(n) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        _ => DEFAULT_STOP_IDS.to_vec(),
+    })
+}
