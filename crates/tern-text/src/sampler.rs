@@ -1,0 +1,220 @@
+//! Next-token sampling: logit bias, repetition/presence/frequency penalties, temperature,
+//! top-k, top-p, min-p, then a draw from a seeded xoshiro256** generator.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use crate::{read_json, Result};
+
+/// Sampling settings. Neutral values disable a step (`top_k` 0, `top_p` 1, `min_p` 0,
+/// `repetition_penalty` 1, presence/frequency 0). `temperature <= 0` means greedy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// HF-style: logits of seen tokens are divided (if > 0) or multiplied (if < 0) by this.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token seen in `history`.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence in `history`.
+    pub frequency_penalty: f32,
+    /// Added to the logit of the given ids before anything else.
+    pub logit_bias: HashMap<u32, f32>,
+    /// `None` seeds from OS randomness.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: HashMap::new(),
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Defaults from `dir/generation_config.json` (temperature, top_k, top_p, min_p,
+    /// repetition_penalty, presence/frequency penalties; `do_sample: false` → greedy).
+    /// Missing keys keep [`Default`] values.
+    pub fn from_generation_config(dir: impl AsRef<Path>) -> Result<Self> {
+        let config = read_json(&dir.as_ref().join("generation_config.json"))?;
+        let float = |key: &str, default: f32| config.get(key).and_then(|v| v.as_f64()).map_or(default, |v| v as f32);
+        let mut params = Self::default();
+        params.temperature = float("temperature", params.temperature);
+        params.top_p = float("top_p", params.top_p);
+        params.min_p = float("min_p", params.min_p);
+        params.repetition_penalty = float("repetition_penalty", params.repetition_penalty);
+        params.presence_penalty = float("presence_penalty", params.presence_penalty);
+        params.frequency_penalty = float("frequency_penalty", params.frequency_penalty);
+        if let Some(k) = config.get("top_k").and_then(|v| v.as_u64()) {
+            params.top_k = k as usize;
+        }
+        if config.get("do_sample").and_then(|v| v.as_bool()) == Some(false) {
+            params.temperature = 0.0;
+        }
+        Ok(params)
+    }
+}
+
+/// Stateful sampler: owns the parameters and the random generator.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Xoshiro256,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let seed = params.seed.unwrap_or_else(random_seed);
+        Self { params, rng: Xoshiro256::new(seed) }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token. `logits` (one per vocabulary id) are modified in place;
+    /// `history` is the token sequence penalties apply to (typically the tokens generated so
+    /// far). NaN logits count as -inf. Returns 0 for an empty slice; if every logit is -inf,
+    /// returns the argmax (the first id).
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        for l in logits.iter_mut().filter(|l| l.is_nan()) {
+            *l = f32::NEG_INFINITY;
+        }
+        for (&id, &bias) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        self.apply_penalties(logits, history);
+        if p.temperature <= 0.0 {
+            return argmax(logits);
+        }
+        // Candidates sorted by logit, descending; top-k cut first to avoid a full sort.
+        let mut cands: Vec<(u32, f32)> =
+            (0u32..).zip(logits.iter().copied()).filter(|(_, l)| *l > f32::NEG_INFINITY).collect();
+        if cands.is_empty() {
+            return argmax(logits);
+        }
+        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < cands.len() {
+            cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+            cands.truncate(p.top_k);
+        }
+        cands.sort_unstable_by(by_logit_desc);
+        // Softmax at temperature (max-subtracted), as f64 weights.
+        let max = f64::from(cands[0].1);
+        let temp = f64::from(p.temperature);
+        let mut weights: Vec<f64> = cands.iter().map(|(_, l)| ((f64::from(*l) - max) / temp).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        // Top-p: keep the smallest prefix whose probability reaches top_p.
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = weights
+                .iter()
+                .position(|w| {
+                    acc += w / total;
+                    acc >= f64::from(p.top_p)
+                })
+                .map_or(weights.len(), |i| i + 1);
+            weights.truncate(keep);
+        }
+        // Min-p: drop tokens below min_p times the top probability (weights[0] == 1).
+        if p.min_p > 0.0 {
+            let keep = weights.iter().take_while(|w| **w >= f64::from(p.min_p)).count();
+            weights.truncate(keep.max(1));
+        }
+        let total: f64 = weights.iter().sum();
+        let mut target = self.rng.next_f64() * total;
+        for (i, w) in weights.iter().enumerate() {
+            target -= w;
+            if target < 0.0 {
+                return cands[i].0;
+            }
+        }
+        cands[weights.len() - 1].0
+    }
+
+    fn apply_penalties(&self, logits: &mut [f32], history: &[u32]) {
+        let p = &self.params;
+        if p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
+            return;
+        }
+        let mut counts: HashMap<u32, u32> = HashMap::new();
+        for &id in history {
+            *counts.entry(id).or_default() += 1;
+        }
+        for (id, count) in counts {
+            let Some(l) = logits.get_mut(id as usize) else {
+                continue;
+            };
+            if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
+                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+            }
+            *l -= p.presence_penalty + p.frequency_penalty * count as f32;
+        }
+    }
+}
+
+/// Index of the largest logit (first on ties); 0 for an empty slice.
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, l) in logits.iter().enumerate() {
+        if *l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
+/// xoshiro256** seeded through splitmix64.
+struct Xoshiro256([u64; 4]);
+
+impl Xoshiro256 {
+    fn new(seed: u64) -> Self {
+        let mut x = seed;
+        let mut splitmix = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Self([splitmix(), splitmix(), splitmix(), splitmix()])
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1).
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}

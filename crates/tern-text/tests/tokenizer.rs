@@ -1,0 +1,68 @@
+//! Tokenizer round trips and special-token ids against the real checkpoint files.
+
+mod common;
+
+use tern_text::Tokenizer;
+
+fn load(test: &str) -> Option<Tokenizer> {
+    common::model_dir(test).map(|dir| Tokenizer::from_dir(dir).unwrap())
+}
+
+#[test]
+fn round_trips_reference_text_and_code() {
+    let Some(tok) = load("round_trips_reference_text_and_code") else {
+        return;
+    };
+    let reference = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/docs/tokenizer-reference.txt");
+    let mut texts = vec![
+        "fn main() {\n    let x: Vec<u8> = vec![0xff; 3];\n\tprintln!(\"{x:?}\"); // done\n}\n".to_string(),
+        "def f(a, b=2):\n    return {'k': a ** b}  # 🐍\n".to_string(),
+        "Grüße aus Zürich — 你好，世界！ こんにちは 안녕하세요 مرحبا नमस्ते 🦙🦙".to_string(),
+    ];
+    if let Ok(text) = std::fs::read_to_string(reference) {
+        texts.extend(text.lines().map(str::to_string));
+        texts.push(text);
+    }
+    for text in &texts {
+        let ids = tok.encode(text, false).unwrap();
+        assert!(!ids.is_empty() || text.is_empty());
+        assert_eq!(&tok.decode(&ids).unwrap(), text, "ids {ids:?}");
+        // Piece-wise bytes agree with whole decode.
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id).unwrap()).collect();
+        assert_eq!(bytes, text.as_bytes());
+    }
+}
+
+#[test]
+fn special_tokens_have_expected_ids() {
+    let Some(tok) = load("special_tokens_have_expected_ids") else {
+        return;
+    };
+    let expected = [
+        ("<|endoftext|>", tern_text::ENDOFTEXT_ID),
+        ("<|im_start|>", tern_text::IM_START_ID),
+        ("<|im_end|>", tern_text::IM_END_ID),
+        ("<tool_call>", tern_text::TOOL_CALL_ID),
+        ("</tool_call>", tern_text::TOOL_CALL_END_ID),
+        ("<think>", tern_text::THINK_ID),
+        ("</think>", tern_text::THINK_END_ID),
+    ];
+    for (text, id) in expected {
+        assert_eq!(tok.id_of(text), Some(id), "{text}");
+        assert_eq!(tok.encode(text, false).unwrap(), vec![id], "{text}");
+        assert_eq!(tok.decode(&[id]).unwrap(), text);
+    }
+    assert!(tok.is_special(tern_text::IM_END_ID));
+    assert!(!tok.is_special(tok.encode("hello", false).unwrap()[0]));
+    let ids = tok.encode("<|im_start|>user\nhi<|im_end|>\n", false).unwrap();
+    assert_eq!(ids.first(), Some(&tern_text::IM_START_ID));
+    assert!(ids.contains(&tern_text::IM_END_ID));
+    assert_eq!(tok.vocab_size(), 248_077);
+    // Ids from the Python `tokenizers` library (onig regex backend); NFC folds e + U+0301.
+    assert_eq!(
+        tok.encode("Hello, world! 你好 3333 e\u{301}", false).unwrap(),
+        [9419, 11, 1814, 0, 220, 109266, 220, 18, 18, 18, 18, 3825]
+    );
+    assert!(tok.token_bytes(u32::MAX).is_none());
+    assert!(tok.decode(&[u32::MAX]).is_err());
+}
