@@ -9,6 +9,9 @@ use serde_json::Value;
 use tern_model::safetensors::{self, Dtype};
 use tern_model::{Logits, State, Weights};
 
+mod chat;
+mod text;
+
 #[derive(Parser)]
 #[command(name = "tern", version, about = "An inference engine for Qwen3.6-35B-A3B")]
 struct Cli {
@@ -18,6 +21,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Answer one prompt, streaming the answer to stdout (reasoning on stderr).
+    Run(chat::RunArgs),
+    /// An interactive chat in the terminal.
+    Chat(chat::GenArgs),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize(text::TokenizeArgs),
+    /// Print the text of token ids.
+    Detokenize(text::DetokenizeArgs),
+    /// Perplexity of a text file.
+    Perplexity(text::PerplexityArgs),
     /// Write the logits of a sequence of token ids (one f32 tensor `logits` [n_ids, vocab]).
     Logits {
         /// Model directory (config.json + safetensors).
@@ -64,6 +77,11 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
+        Cmd::Run(a) => chat::run(a),
+        Cmd::Chat(a) => chat::chat(a),
+        Cmd::Tokenize(a) => text::tokenize(a),
+        Cmd::Detokenize(a) => text::detokenize(a),
+        Cmd::Perplexity(a) => text::perplexity(a),
         Cmd::Logits { model, ids, out, split } => logits(&model, &ids, &out, split),
         Cmd::RandomModel { config, out, dtype, seed, tokenizer_from, set } => {
             random_model(&config, &out, &dtype, seed, tokenizer_from.as_deref(), &set)
