@@ -1,0 +1,188 @@
+//! The engine over the CPU backend (fixture models) and the scripted backend: generation equals the plain
+//! forward loop, the prefix cache changes nothing but the work, cancellation frees the sequence, errors carry
+//! their numbers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tern_engine::{
+    Backend, CpuBackend, Engine, EngineConfig, Event, FinishReason, Request, ScriptedBackend, SubmitError,
+};
+use tern_model::testutil::{fixtures_dir, qwen_dir};
+use tern_model::{Logits, State, Weights};
+use tern_text::{SamplingParams, Tokenizer, IM_END_ID, IM_START_ID};
+
+fn tokenizer() -> Option<Arc<Tokenizer>> {
+    Some(Arc::new(Tokenizer::from_dir(qwen_dir()?).unwrap()))
+}
+
+macro_rules! tok_or_skip {
+    ($name:literal) => {
+        match tokenizer() {
+            Some(t) => t,
+            None => {
+                println!(concat!("SKIPPED: ", $name, ": TERN_QWEN_DIR not set"));
+                return;
+            }
+        }
+    };
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request {
+        prompt,
+        sampling: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
+        max_tokens,
+        stop_strings: vec![],
+        stop_ids: vec![],
+        logprobs: None,
+    }
+}
+
+/// Tokens and final event of one request.
+fn collect(engine: &Engine, req: Request) -> (Vec<u32>, Event) {
+    let rx = engine.submit(req).unwrap();
+    let mut toks = vec![];
+    for ev in rx {
+        match ev {
+            Event::Token { token, .. } => toks.push(token),
+            done => return (toks, done),
+        }
+    }
+    panic!("stream ended without Done");
+}
+
+fn fixture() -> Weights {
+    Weights::load(&fixtures_dir().join("tiny-a")).unwrap()
+}
+
+#[test]
+fn greedy_generation_equals_the_forward_loop() {
+    let tok = tok_or_skip!("greedy_generation_equals_the_forward_loop");
+    let w = fixture();
+    let prompt: Vec<u32> = vec![5, 17, 200, 33, 8];
+    let mut st = State::new(&w.config);
+    let mut logits = w.forward(&prompt, &mut st, Logits::Last);
+    let mut want = vec![];
+    for _ in 0..10 {
+        let next = logits.iter().enumerate().fold(0, |b, (i, v)| if *v > logits[b] { i } else { b }) as u32;
+        want.push(next);
+        logits = w.forward(&[next], &mut st, Logits::Last);
+    }
+    let engine = Engine::start(Arc::new(CpuBackend::new(w)), tok, EngineConfig::default());
+    let (got, done) = collect(&engine, greedy(prompt, 10));
+    assert_eq!(got, want);
+    match done {
+        Event::Done { finish, usage } => {
+            assert_eq!(finish, FinishReason::Length);
+            assert_eq!((usage.prompt_tokens, usage.completion_tokens), (5, 10));
+        }
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn prefix_cache_reuses_state_without_changing_output() {
+    let tok = tok_or_skip!("prefix_cache_reuses_state_without_changing_output");
+    let turn1: Vec<u32> = vec![11, 12, 13, 14, 15, 16, 17, 18];
+    let turn2: Vec<u32> = vec![11, 12, 13, 14, 40, 41, 42, 43, 44, 45];
+    let run = |entries: usize| {
+        let cfg = EngineConfig { prefix_cache_entries: entries, ..EngineConfig::default() };
+        let engine = Engine::start(Arc::new(CpuBackend::new(fixture())), tok.clone(), cfg);
+        let a = collect(&engine, greedy(turn1.clone(), 6));
+        let b = collect(&engine, greedy(turn2.clone(), 6));
+        let c = collect(&engine, greedy([turn1.clone(), a.0.clone(), vec![7, 7]].concat(), 6));
+        (a, b, c)
+    };
+    // The fixture vocabulary has no <|im_start|>: the boundary snapshot is exercised with the scripted
+    // backend below; here the cache is hit by the full-sequence entry (turn 3 extends turn 1 + its answer).
+    let (with, without) = (run(8), run(0));
+    assert_eq!(with.0 .0, without.0 .0);
+    assert_eq!(with.1 .0, without.1 .0);
+    assert_eq!(with.2 .0, without.2 .0, "a cached prefix must not change the output");
+    let cached = |e: &Event| match e {
+        Event::Done { usage, .. } => usage.cached_tokens,
+        e => panic!("{e:?}"),
+    };
+    assert_eq!(cached(&without.2 .1), 0);
+    // Turn 3 starts with turn 1's prompt and the answer tokens turn 1's sequence read (all but the last).
+    assert_eq!(cached(&with.2 .1), turn1.len() + with.0 .0.len() - 1);
+}
+
+#[test]
+fn boundary_snapshot_serves_the_next_turn() {
+    let tok = tok_or_skip!("boundary_snapshot_serves_the_next_turn");
+    let script = vec![tok.encode("ok", false).unwrap(), vec![IM_END_ID]].concat();
+    let backend = Arc::new(ScriptedBackend { vocab: 248320, script });
+    let engine = Engine::start(backend, tok.clone(), EngineConfig::default());
+    let turn1 = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", false).unwrap();
+    let mut req = greedy(turn1.clone(), 8);
+    req.stop_ids = vec![IM_END_ID];
+    let (_, done) = collect(&engine, req);
+    assert!(matches!(done, Event::Done { finish: FinishReason::Stop, .. }), "{done:?}");
+    let turn2 = tok
+        .encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", false)
+        .unwrap();
+    let boundary = turn1.iter().rposition(|&t| t == IM_START_ID).unwrap();
+    let (_, done) = collect(&engine, greedy(turn2, 2));
+    match done {
+        Event::Done { usage, .. } => assert!(usage.cached_tokens >= boundary, "{usage:?}"),
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn dropped_receiver_cancels_and_engine_keeps_serving() {
+    let tok = tok_or_skip!("dropped_receiver_cancels_and_engine_keeps_serving");
+    let engine = Engine::start(Arc::new(CpuBackend::new(fixture())), tok, EngineConfig::default());
+    let rx = engine.submit(greedy(vec![1, 2, 3], 30_000)).unwrap();
+    assert!(matches!(rx.recv().unwrap(), Event::Token { .. }));
+    drop(rx);
+    let (toks, _) = collect(&engine, greedy(vec![4, 5], 3));
+    assert_eq!(toks.len(), 3);
+    let t0 = Instant::now();
+    while engine.stats.active.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "cancelled sequence still active");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn submit_errors_carry_their_numbers() {
+    let tok = tok_or_skip!("submit_errors_carry_their_numbers");
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(fixture()));
+    let engine = Engine::start(backend, tok, EngineConfig { ctx_size: 100, max_queue: 0, ..EngineConfig::default() });
+    let e = engine.submit(greedy(vec![1; 60], 50)).unwrap_err();
+    assert_eq!(e, SubmitError::TooLong { prompt: 60, max_tokens: 50, ctx: 100 });
+    let msg = e.to_string();
+    assert!(msg.contains("100") && msg.contains("60") && msg.contains("50"), "{msg}");
+    assert_eq!(engine.submit(greedy(vec![], 5)).unwrap_err(), SubmitError::EmptyPrompt);
+    assert_eq!(engine.submit(greedy(vec![384], 5)).unwrap_err(), SubmitError::BadToken { id: 384, vocab: 384 });
+    assert!(matches!(engine.submit(greedy(vec![1], 5)).unwrap_err(), SubmitError::QueueFull { .. }));
+}
+
+#[test]
+fn stop_strings_and_logprobs() {
+    let tok = tok_or_skip!("stop_strings_and_logprobs");
+    let script = tok.encode("Hello world. STOP here", false).unwrap();
+    let engine =
+        Engine::start(Arc::new(ScriptedBackend { vocab: 248320, script }), tok.clone(), EngineConfig::default());
+    let mut req = greedy(vec![1, 2], 20);
+    req.stop_strings = vec![" STOP".into()];
+    req.logprobs = Some(3);
+    let rx = engine.submit(req).unwrap();
+    let (mut text, mut done) = (String::new(), None);
+    for ev in rx {
+        match ev {
+            Event::Token { text: t, logprob, .. } => {
+                text.push_str(&t);
+                let lp = logprob.unwrap();
+                assert_eq!(lp.top.len(), 3);
+                assert!(lp.logprob <= 0.0 && (lp.logprob - lp.top[0].1).abs() < 1e-4);
+            }
+            e => done = Some(e),
+        }
+    }
+    assert_eq!(text, "Hello world.");
+    assert!(matches!(done, Some(Event::Done { finish: FinishReason::Stop, .. })), "{done:?}");
+}
