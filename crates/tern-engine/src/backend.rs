@@ -71,7 +71,8 @@ impl Backend for CpuBackend {
 
 /// A backend that emits a fixed token script whatever the prompt: for testing the text and HTTP paths
 /// (reasoning, tool calls) with exact model output. Token `i` of the reply is `script[i]`, then the last id
-/// repeats.
+/// repeats; a read of several ids (a prompt chunk) starts the reply over, so a prompt read in chunks or partly
+/// from the prefix cache gets the same reply.
 pub struct ScriptedBackend {
     pub vocab: usize,
     pub script: Vec<u32>,
@@ -87,6 +88,9 @@ struct ScriptedSequence {
 impl Sequence for ScriptedSequence {
     fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
         self.read += ids.len();
+        if ids.len() > 1 {
+            self.calls = 0;
+        }
         let next = self.script[self.calls.min(self.script.len() - 1)];
         self.calls += 1;
         let mut logits = vec![0.0; self.vocab];

@@ -214,6 +214,8 @@ struct Active<'t> {
     generated: Vec<u32>,
     /// Sampled but not yet read by the sequence.
     pending: Option<u32>,
+    /// Ids at or above this are embedding padding, not tokens.
+    tokenizer_vocab: usize,
     usage: Usage,
     first_token: Option<Instant>,
 }
@@ -298,6 +300,7 @@ fn admit<'t>(
         detok,
         generated: Vec::new(),
         pending: None,
+        tokenizer_vocab: tok.vocab_size(),
         first_token: None,
         job,
     }
@@ -340,6 +343,12 @@ fn step(a: &mut Active, cache: &mut PrefixCache, stats: &Stats, cfg: &EngineConf
 
 /// Sample the next token from `logits`, stream it, and decide whether generation goes on.
 fn emit(a: &mut Active, mut logits: Vec<f32>, stats: &Stats, cfg: &EngineConfig) -> Outcome {
+    // The embedding table is padded past the tokenizer's last id (248,320 rows for 248,077 tokens): those
+    // rows are not tokens, so they can never be sampled.
+    let tokens = a.tokenizer_vocab;
+    if logits.len() > tokens {
+        logits[tokens..].fill(f32::NEG_INFINITY);
+    }
     // Log-probabilities are those of the model's distribution (before penalties and temperature).
     let lp = a.job.req.logprobs.map(|k| {
         let m = logits.iter().fold(f32::NEG_INFINITY, |x, &y| x.max(y));

@@ -186,3 +186,19 @@ fn stop_strings_and_logprobs() {
     assert_eq!(text, "Hello world.");
     assert!(matches!(done, Some(Event::Done { finish: FinishReason::Stop, .. })), "{done:?}");
 }
+
+#[test]
+fn padded_vocabulary_rows_are_never_sampled() {
+    let tok = tok_or_skip!("padded_vocabulary_rows_are_never_sampled");
+    // The scripted model puts all its mass on an id past the tokenizer's last token.
+    let backend = Arc::new(ScriptedBackend { vocab: 248320, script: vec![248_300] });
+    let engine = Engine::start(backend, tok.clone(), EngineConfig::default());
+    for temperature in [0.0, 1.0] {
+        let mut req = greedy(vec![1, 2], 4);
+        req.sampling.temperature = temperature;
+        req.sampling.seed = Some(1);
+        let (toks, done) = collect(&engine, req);
+        assert!(matches!(done, Event::Done { .. }), "{done:?}");
+        assert!(toks.iter().all(|&t| (t as usize) < tok.vocab_size()), "{toks:?}");
+    }
+}

@@ -1,0 +1,98 @@
+//! Shared by the server tests: skips, a tiny random model with the real vocabulary, an in-process server,
+//! and running tests/server/test_openai.py.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::Result;
+use tern_engine::Model;
+use tern_server::ServeOptions;
+
+/// The real tokenizer directory, or `None` after printing why the test is skipped.
+pub fn setup(name: &str) -> Option<PathBuf> {
+    let Some(dir) = tern_model::testutil::qwen_dir() else {
+        println!("SKIPPED: {name}: TERN_QWEN_DIR not set");
+        return None;
+    };
+    let ok = Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        println!("SKIPPED: {name}: python openai package missing");
+        return None;
+    }
+    Some(dir)
+}
+
+/// A fresh scratch directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tern-server-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Write a tiny random model (2 layers, hidden 64, 4 experts) with the real vocabulary and tokenizer.
+pub fn random_model(qwen: &Path, out: &Path) {
+    let text = std::fs::read_to_string(qwen.join("config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let t = cfg.get_mut("text_config").unwrap().as_object_mut().unwrap();
+    t.remove("layer_types");
+    for (k, v) in [
+        ("hidden_size", 64),
+        ("num_hidden_layers", 2),
+        ("full_attention_interval", 2),
+        ("num_attention_heads", 2),
+        ("num_key_value_heads", 1),
+        ("head_dim", 32),
+        ("linear_num_key_heads", 2),
+        ("linear_num_value_heads", 2),
+        ("linear_key_head_dim", 16),
+        ("linear_value_head_dim", 16),
+        ("num_experts", 4),
+        ("num_experts_per_tok", 2),
+        ("moe_intermediate_size", 32),
+        ("shared_expert_intermediate_size", 32),
+    ] {
+        t.insert(k.into(), v.into());
+    }
+    tern_model::random::write_random_model(&cfg, out, tern_model::safetensors::Dtype::BF16, 7, Some(qwen)).unwrap();
+}
+
+/// An in-process server on a free loopback port, stopped (and drained) by [`Server::stop`].
+pub struct Server {
+    pub root: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<Result<()>>,
+}
+
+impl Server {
+    pub fn start(load: impl FnOnce() -> Result<Model> + Send + 'static, opts: ServeOptions) -> Server {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            tokio::runtime::Runtime::new()?.block_on(async move {
+                let listener = tern_server::bind(&ServeOptions { port: 0, ..opts.clone() }).await?;
+                addr_tx.send(listener.local_addr()?).unwrap();
+                tern_server::run(listener, load, opts, async {
+                    let _ = stopped.await;
+                })
+                .await
+            })
+        });
+        let addr = addr_rx.recv().expect("the server did not start");
+        Server { root: format!("http://{addr}"), stop, thread }
+    }
+
+    pub fn stop(self) {
+        let _ = self.stop.send(());
+        self.thread.join().unwrap().unwrap();
+    }
+}
+
+/// Run tests/server/test_openai.py with `args`; panics if it fails.
+pub fn python(args: &[&str]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/server/test_openai.py");
+    let status = Command::new("python3").arg(script).args(args).status().expect("cannot run python3");
+    assert!(status.success(), "test_openai.py {args:?} failed");
+}
