@@ -1,7 +1,6 @@
 //! `tern run` (one prompt, streamed) and `tern chat` (an interactive conversation in the terminal).
 
 use std::io::{BufRead, IsTerminal, Write};
-use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -11,9 +10,9 @@ use tern_text::{ChatOptions, OutputParser, ParseEvent};
 
 #[derive(clap::Args)]
 pub struct GenArgs {
-    /// Model directory.
-    #[arg(long)]
-    pub model: PathBuf,
+    /// Model directory or Hugging Face id.
+    #[arg(long, default_value = crate::load::DEFAULT_MODEL)]
+    pub model: String,
     /// cpu, cuda or auto (auto: cuda when available, else cpu).
     #[arg(long, default_value = "auto")]
     pub backend: String,
@@ -49,15 +48,6 @@ pub struct RunArgs {
     pub prompt: String,
 }
 
-/// Load the model on the chosen backend.
-pub fn load_model(args: &GenArgs) -> Result<Model> {
-    match args.backend.as_str() {
-        "cpu" | "auto" => Model::load_cpu(&args.model),
-        "cuda" => bail!("--backend cuda: this build of tern has no CUDA backend yet; use --backend cpu"),
-        b => bail!("--backend {b}: expected cpu, cuda or auto"),
-    }
-}
-
 struct Session {
     model: Model,
     engine: Engine,
@@ -76,7 +66,7 @@ struct Answer {
 
 impl Session {
     fn new(args: GenArgs) -> Result<Session> {
-        let model = load_model(&args)?;
+        let model = crate::load::load_model(&args.model, &args.backend, args.ctx_size)?;
         let cfg = EngineConfig { ctx_size: args.ctx_size, ..EngineConfig::default() };
         let engine = Engine::start(model.backend.clone(), model.tokenizer.clone(), cfg);
         let thinking = !args.no_think;

@@ -9,7 +9,11 @@ use serde_json::Value;
 use tern_model::safetensors::{self, Dtype};
 use tern_model::{Logits, State, Weights};
 
+mod bench;
 mod chat;
+mod hub;
+mod load;
+mod quantize;
 mod text;
 
 #[derive(Parser)]
@@ -21,6 +25,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Quantise a Hugging Face checkpoint to the mlx-community 4-bit layout.
+    Quantize(quantize::Args),
+    /// Download a model from Hugging Face into the local cache (or find it there) and print its directory.
+    Pull(hub::Args),
+    /// Prefill and decode speed (batch 1, greedy) beside the memory-bandwidth ceiling.
+    Bench(bench::Args),
     /// Answer one prompt, streaming the answer to stdout (reasoning on stderr).
     Run(chat::RunArgs),
     /// An interactive chat in the terminal.
@@ -31,6 +41,8 @@ enum Cmd {
     Detokenize(text::DetokenizeArgs),
     /// Perplexity of a text file.
     Perplexity(text::PerplexityArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve(tern_server::cli::Args),
     /// Write the logits of a sequence of token ids (one f32 tensor `logits` [n_ids, vocab]).
     Logits {
         /// Model directory (config.json + safetensors).
@@ -62,6 +74,9 @@ enum Cmd {
         /// Copy tokenizer.json, tokenizer_config.json, chat_template.jinja and generation_config.json from here.
         #[arg(long)]
         tokenizer_from: Option<PathBuf>,
+        /// Write the mlx 4-bit layout instead (`q4`; --dtype is then ignored).
+        #[arg(long, value_parser = ["q4"])]
+        quant: Option<String>,
         /// Override a text_config field, e.g. `--set hidden_size=64 --set num_hidden_layers=4` (JSON values).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
@@ -77,14 +92,18 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
+        Cmd::Quantize(a) => quantize::run(a),
+        Cmd::Pull(a) => hub::run(a),
+        Cmd::Bench(a) => bench::run(a),
         Cmd::Run(a) => chat::run(a),
         Cmd::Chat(a) => chat::chat(a),
         Cmd::Tokenize(a) => text::tokenize(a),
         Cmd::Detokenize(a) => text::detokenize(a),
         Cmd::Perplexity(a) => text::perplexity(a),
+        Cmd::Serve(a) => tern_server::cli::main(a, load::load_model),
         Cmd::Logits { model, ids, out, split } => logits(&model, &ids, &out, split),
-        Cmd::RandomModel { config, out, dtype, seed, tokenizer_from, set } => {
-            random_model(&config, &out, &dtype, seed, tokenizer_from.as_deref(), &set)
+        Cmd::RandomModel { config, out, dtype, seed, tokenizer_from, set, quant } => {
+            random_model(&config, &out, quant.as_deref().unwrap_or(&dtype), seed, tokenizer_from.as_deref(), &set)
         }
     }
 }
@@ -141,6 +160,9 @@ fn random_model(config: &Path, out: &Path, dtype: &str, seed: u64, tok: Option<&
                 o.remove("layer_types");
             }
         }
+    }
+    if dtype == "q4" {
+        return tern_model::random::write_random_mlx(&cfg, out, seed, tok);
     }
     let dtype = match dtype {
         "bf16" | "bfloat16" => Dtype::BF16,

@@ -112,7 +112,7 @@ fn prefix_cache_reuses_state_without_changing_output() {
 #[test]
 fn boundary_snapshot_serves_the_next_turn() {
     let tok = tok_or_skip!("boundary_snapshot_serves_the_next_turn");
-    let script = vec![tok.encode("ok", false).unwrap(), vec![IM_END_ID]].concat();
+    let script = [tok.encode("ok", false).unwrap(), vec![IM_END_ID]].concat();
     let backend = Arc::new(ScriptedBackend { vocab: 248320, script });
     let engine = Engine::start(backend, tok.clone(), EngineConfig::default());
     let turn1 = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", false).unwrap();

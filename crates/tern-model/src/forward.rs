@@ -64,9 +64,9 @@ impl Weights {
         let c = &self.config;
         let (n, h) = (ids.len(), c.hidden_size);
         assert!(n > 0, "forward needs at least one token");
-        let mut x = Vec::with_capacity(n * h);
-        for &id in ids {
-            x.extend_from_slice(self.embed.row(id as usize));
+        let mut x = vec![0.0; n * h];
+        for (&id, xt) in ids.iter().zip(x.chunks_exact_mut(h)) {
+            self.embed.row_into(id as usize, xt);
         }
         let mut u = vec![0.0; n * h];
         for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
@@ -127,7 +127,7 @@ pub fn softplus(x: f32) -> f32 {
 }
 
 fn project(l: &Linear, x: &[f32], n: usize) -> Vec<f32> {
-    let mut y = vec![0.0; n * l.rows];
+    let mut y = vec![0.0; n * l.rows()];
     l.forward(x, n, &mut y);
     y
 }

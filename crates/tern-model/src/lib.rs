@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod forward;
+pub mod mlx;
 pub mod quant;
 pub mod random;
 pub mod safetensors;
@@ -9,7 +10,7 @@ pub mod weights;
 
 pub use config::{Config, LayerKind};
 pub use forward::{Logits, State};
-pub use weights::Weights;
+pub use weights::{LoadOptions, Weights};
 
 /// Helpers shared by the tests of this crate and others.
 pub mod testutil {

@@ -288,6 +288,10 @@ impl QuantMatrix {
     pub fn biases(&self) -> &[bf16] {
         &self.biases
     }
+    /// Whether all three buffers borrow a shared (e.g. memory-mapped) buffer instead of owning copies.
+    pub fn is_zero_copy(&self) -> bool {
+        self.packed.is_zero_copy() && self.scales.is_zero_copy() && self.biases.is_zero_copy()
+    }
 
     /// The code `q[r, c]`.
     pub fn q(&self, r: usize, c: usize) -> u32 {

@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
 use crate::config::{Config, LayerKind};
+use crate::mlx::{self, Entry, Kind, QuantSpec, Values};
 use crate::safetensors::{encode_floats, write, Dtype, TensorSpec};
 
 /// How a tensor's random values are drawn.
@@ -188,6 +189,52 @@ pub fn write_random_model(
         let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
         std::fs::write(out.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
     }
+    if let Some(src) = tokenizer_from {
+        copy_tokenizer_files(src, out)?;
+    }
+    Ok(())
+}
+
+/// Random weights in mlx layout, generated on demand: each matrix from its own seed (the entry name, expert and
+/// `seed`), so any entry can be produced in any order or in parallel. Same scales as the official random model;
+/// linear weights are uniform with the same standard deviation (cheaper to draw).
+pub struct RandomValues {
+    pub seed: u64,
+}
+
+impl Values for RandomValues {
+    fn values(&self, e: &Entry, expert: usize) -> Result<Vec<f32>> {
+        let h = e.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+        let mut rng = Rng::new(self.seed ^ h ^ (expert as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+        let n: usize = e.shape.iter().product::<usize>() / e.experts();
+        let uniform = |rng: &mut Rng, lo: f32, hi: f32| (0..n).map(|_| lo + (hi - lo) * rng.uniform()).collect();
+        let name = e.name.as_str();
+        Ok(match e.kind {
+            Kind::Linear => {
+                let std = if name.ends_with("embed_tokens") {
+                    1.0
+                } else {
+                    let fan_in = e.matrix().1 as f32;
+                    (if name.ends_with("mlp.gate") { 2.0 } else { 1.0 }) / fan_in.sqrt()
+                };
+                let a = std * 3f32.sqrt();
+                uniform(&mut rng, -a, a)
+            }
+            Kind::Norm1p => uniform(&mut rng, 0.5, 1.5),
+            _ if name.ends_with("conv1d.weight") => (0..n).map(|_| 0.5 * rng.normal()).collect(),
+            _ if name.ends_with("A_log") => uniform(&mut rng, -1.5, 0.5),
+            _ if name.ends_with("dt_bias") => uniform(&mut rng, -1.0, 1.0),
+            _ => uniform(&mut rng, 0.5, 1.5),
+        })
+    }
+}
+
+/// Write a random checkpoint of `config_json` in mlx 4-bit layout (what `tern quantize` writes), streaming:
+/// the full model needs only one tensor in memory at a time.
+pub fn write_random_mlx(config_json: &Value, out: &Path, seed: u64, tokenizer_from: Option<&Path>) -> Result<()> {
+    let c = Config::from_json(config_json)?;
+    let mut progress = mlx::progress_line("random-model");
+    mlx::write_checkpoint(config_json, out, &RandomValues { seed }, &QuantSpec::q4(&c), &mut progress)?;
     if let Some(src) = tokenizer_from {
         copy_tokenizer_files(src, out)?;
     }

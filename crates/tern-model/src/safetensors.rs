@@ -7,12 +7,15 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use memmap2::Mmap;
 use serde_json::{json, Map, Value};
+
+use crate::quant::{Plain, SharedBytes, Slab};
 
 /// Element types tern reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +72,7 @@ struct Entry {
 /// One memory-mapped safetensors file with a validated header.
 pub struct SafeTensors {
     path: PathBuf,
-    map: Mmap,
+    map: Arc<Mmap>,
     data_start: usize,
     entries: BTreeMap<String, Entry>,
 }
@@ -82,6 +85,9 @@ pub struct TensorView<'a> {
     pub dtype: Dtype,
     pub shape: &'a [usize],
     pub bytes: &'a [u8],
+    /// The mapped file and where `bytes` start in it, for zero-copy [`Slab`]s.
+    map: &'a Arc<Mmap>,
+    offset: usize,
 }
 
 impl SafeTensors {
@@ -143,7 +149,7 @@ impl SafeTensors {
             }
             entries.insert(name, Entry { dtype, shape, start, end });
         }
-        Ok(SafeTensors { path: path.to_path_buf(), map, data_start, entries })
+        Ok(SafeTensors { path: path.to_path_buf(), map: Arc::new(map), data_start, entries })
     }
 
     pub fn path(&self) -> &Path {
@@ -162,6 +168,8 @@ impl SafeTensors {
             dtype: e.dtype,
             shape: &e.shape,
             bytes: &self.map[self.data_start + e.start..self.data_start + e.end],
+            map: &self.map,
+            offset: self.data_start + e.start,
         })
     }
 }
@@ -189,12 +197,31 @@ impl TensorView<'_> {
         })
     }
 
-    /// The values as u32 words (U32 tensors: packed quantised weights).
-    pub fn to_u32(&self) -> Result<Vec<u32>> {
-        if self.dtype != Dtype::U32 {
-            bail!("{}: tensor {} has dtype {}, expected U32", self.file.display(), self.name, self.dtype.name());
+    /// Elements `range` (in elements of the tensor's dtype) as f32 (F32, F16 and BF16 tensors): one expert of a
+    /// stacked tensor without converting the whole tensor.
+    pub fn to_f32_range(&self, range: Range<usize>) -> Result<Vec<f32>> {
+        let size = self.dtype.size();
+        if range.start > range.end || range.end > self.numel() {
+            bail!("{}: tensor {}: elements {range:?} out of range", self.file.display(), self.name);
         }
-        Ok(self.bytes.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect())
+        TensorView { bytes: &self.bytes[range.start * size..range.end * size], ..*self }.to_f32()
+    }
+
+    /// A zero-copy view of the data as `T` (`U32` for packed weights, `BF16` for scales and biases), sharing the
+    /// mapped file.
+    pub fn slab<T: Plain>(&self, dtype: Dtype) -> Result<Slab<T>> {
+        if self.dtype != dtype {
+            bail!(
+                "{}: tensor {} has dtype {}, expected {}",
+                self.file.display(),
+                self.name,
+                self.dtype.name(),
+                dtype.name()
+            );
+        }
+        let shared: SharedBytes = self.map.clone();
+        Slab::from_shared(shared, self.offset..self.offset + self.bytes.len())
+            .with_context(|| format!("{}: tensor {}", self.file.display(), self.name))
     }
 }
 

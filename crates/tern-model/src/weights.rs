@@ -1,76 +1,125 @@
-//! The model's weights in memory, and loading them from a Hugging Face checkpoint.
+//! The model's weights in memory, and loading them from a checkpoint directory:
 //!
-//! Accepted names: the official `model.language_model.*` + top-level `lm_head.weight`, plain `model.*`, and
-//! mlx-style `language_model.model.*` / `language_model.lm_head.*`; fused experts (`mlp.experts.gate_up_proj`
-//! `[E, 2I, H]` gate first, `mlp.experts.down_proj` `[E, H, I]`) or per-expert tensors
-//! (`mlp.experts.{e}.{gate,up,down}_proj.weight`). `model.visual.*` and `mtp.*` are not read.
+//! * an mlx-community checkpoint (`language_model.model.*`, see [`crate::mlx`]): quantised tensors are used in
+//!   place from the memory-mapped files (zero-copy), stacked experts cut with [`crate::quant::Slab::sub`];
+//! * a Hugging Face checkpoint (official `model.language_model.*` / plain `model.*` names, fused or per-expert
+//!   experts; see [`crate::mlx::HfValues`]): as f32 (the reference oracle), or with [`LoadOptions::quantize`]
+//!   quantised on load by the same conversion as `tern quantize` ([`crate::mlx::convert`]).
 //!
-//! Norm weights are stored as the gain the norm multiplies by: the (1+w) norms get their +1 here.
+//! `model.visual.*` and `mtp.*` are not read. Norm weights are stored as the gain the norm multiplies by (the
+//! (1+w) norms with their +1 folded in).
 
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use std::collections::HashMap;
+
+use anyhow::{bail, Context, Result};
+use half::bf16;
 use rayon::prelude::*;
+use serde_json::Value;
 
 use crate::config::{Config, LayerKind};
-use crate::safetensors::{Checkpoint, TensorView};
+use crate::mlx::{self, check_shape, convert, Entry, HfValues, QuantSpec, Stored, Values, LM_HEAD, PREFIX};
+use crate::quant::{QuantMatrix, Slab};
+use crate::safetensors::{Checkpoint, Dtype};
 
-/// A bias-free linear layer `y = W x`, `W` stored `[rows = out, cols = in]` row-major.
-pub struct Linear {
-    pub rows: usize,
-    pub cols: usize,
-    pub w: Vec<f32>,
+/// A bias-free linear layer `y = W x`, `W` logically `[rows = out, cols = in]` row-major: f32 (the reference
+/// oracle, and matrices whose input dimension the group size does not divide) or MLX affine quantised.
+#[derive(Clone)]
+pub enum Linear {
+    F32 { rows: usize, cols: usize, w: Vec<f32> },
+    Quant(QuantMatrix),
 }
 
 impl Linear {
     pub fn new(rows: usize, cols: usize, w: Vec<f32>) -> Linear {
         assert_eq!(w.len(), rows * cols, "Linear: {rows}x{cols} needs {} values", rows * cols);
-        Linear { rows, cols, w }
+        Linear::F32 { rows, cols, w }
     }
 
-    /// `y[t] = W x[t]` for `n` tokens: `x` is `[n, cols]`, `y` is `[n, rows]`. Parallel over output rows.
+    pub fn rows(&self) -> usize {
+        match self {
+            Linear::F32 { rows, .. } => *rows,
+            Linear::Quant(q) => q.rows(),
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            Linear::F32 { cols, .. } => *cols,
+            Linear::Quant(q) => q.cols(),
+        }
+    }
+
+    /// Bytes of weight data read by one full pass over the matrix (packed codes + scales + biases when quantised).
+    pub fn bytes(&self) -> usize {
+        match self {
+            Linear::F32 { w, .. } => w.len() * 4,
+            Linear::Quant(q) => q.packed().len() * 4 + (q.scales().len() + q.biases().len()) * 2,
+        }
+    }
+
+    /// The f32 form of this matrix (the reference oracle for a quantised one).
+    pub fn dequantized(&self) -> Linear {
+        match self {
+            Linear::F32 { .. } => self.clone(),
+            Linear::Quant(q) => Linear::new(q.rows(), q.cols(), q.dequantize()),
+        }
+    }
+
+    /// `y[t] = W x[t]` for `n` tokens: `x` is `[n, cols]`, `y` is `[n, rows]`. Quantised matrices use the fused
+    /// kernels (no f32 copy of the weights).
     pub fn forward(&self, x: &[f32], n: usize, y: &mut [f32]) {
-        assert_eq!(x.len(), n * self.cols);
-        assert_eq!(y.len(), n * self.rows);
-        if n == 1 {
-            y.par_chunks_mut(64).enumerate().for_each(|(c, ys)| {
-                for (i, yv) in ys.iter_mut().enumerate() {
-                    let r = c * 64 + i;
-                    *yv = dot(&self.w[r * self.cols..(r + 1) * self.cols], x);
-                }
-            });
-            return;
-        }
-        // Row blocks in parallel; every token reads the same block of W while it is in cache.
-        let block = 16;
-        let cols = self.cols;
-        let rows = self.rows;
-        let parts: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(block))
-            .into_par_iter()
-            .map(|b| {
-                let r0 = b * block;
-                let r1 = (r0 + block).min(rows);
-                let mut out = vec![0.0; n * (r1 - r0)];
-                for t in 0..n {
-                    let xt = &x[t * cols..(t + 1) * cols];
-                    for r in r0..r1 {
-                        out[t * (r1 - r0) + r - r0] = dot(&self.w[r * cols..(r + 1) * cols], xt);
-                    }
-                }
-                (r0, out)
-            })
-            .collect();
-        for (r0, out) in parts {
-            let w = out.len() / n;
-            for t in 0..n {
-                y[t * rows + r0..t * rows + r0 + w].copy_from_slice(&out[t * w..(t + 1) * w]);
-            }
+        match self {
+            Linear::F32 { rows, cols, w } => f32_forward(w, *rows, *cols, x, n, y),
+            Linear::Quant(q) => q.gemm(x, n, y),
         }
     }
 
-    /// Row `r` of W (an embedding lookup).
-    pub fn row(&self, r: usize) -> &[f32] {
-        &self.w[r * self.cols..(r + 1) * self.cols]
+    /// Row `r` of W into `out` (an embedding lookup; dequantises one row).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        match self {
+            Linear::F32 { cols, w, .. } => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
+            Linear::Quant(q) => q.dequantize_row(r, out),
+        }
+    }
+}
+
+/// The f32 path of [`Linear::forward`]: parallel over output rows.
+fn f32_forward(w: &[f32], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
+    assert_eq!(x.len(), n * cols);
+    assert_eq!(y.len(), n * rows);
+    if n == 1 {
+        y.par_chunks_mut(64).enumerate().for_each(|(c, ys)| {
+            for (i, yv) in ys.iter_mut().enumerate() {
+                let r = c * 64 + i;
+                *yv = dot(&w[r * cols..(r + 1) * cols], x);
+            }
+        });
+        return;
+    }
+    // Row blocks in parallel; every token reads the same block of W while it is in cache.
+    let block = 16;
+    let parts: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(block))
+        .into_par_iter()
+        .map(|b| {
+            let r0 = b * block;
+            let r1 = (r0 + block).min(rows);
+            let mut out = vec![0.0; n * (r1 - r0)];
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                for r in r0..r1 {
+                    out[t * (r1 - r0) + r - r0] = dot(&w[r * cols..(r + 1) * cols], xt);
+                }
+            }
+            (r0, out)
+        })
+        .collect();
+    for (r0, out) in parts {
+        let bw = out.len() / n;
+        for t in 0..n {
+            y[t * rows + r0..t * rows + r0 + bw].copy_from_slice(&out[t * bw..(t + 1) * bw]);
+        }
     }
 }
 
@@ -91,6 +140,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+#[derive(Clone)]
 pub struct Attention {
     /// `[num_heads * head_dim * 2, hidden]`: per head, head_dim query rows then head_dim gate rows.
     pub q_proj: Linear,
@@ -102,6 +152,7 @@ pub struct Attention {
     pub k_norm: Vec<f32>,
 }
 
+#[derive(Clone)]
 pub struct GatedDeltaNet {
     /// `[2*key_dim + value_dim, hidden]`: q ‖ k ‖ v, flat.
     pub in_proj_qkv: Linear,
@@ -117,18 +168,21 @@ pub struct GatedDeltaNet {
     pub out_proj: Linear,
 }
 
+#[derive(Clone)]
 pub enum Mixer {
     Attention(Attention),
     DeltaNet(GatedDeltaNet),
 }
 
 /// A SwiGLU MLP: `down(silu(gate x) * up x)`.
+#[derive(Clone)]
 pub struct Mlp {
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
 }
 
+#[derive(Clone)]
 pub struct Moe {
     /// `[num_experts, hidden]`.
     pub router: Linear,
@@ -138,6 +192,7 @@ pub struct Moe {
     pub shared_gate: Linear,
 }
 
+#[derive(Clone)]
 pub struct Layer {
     pub input_norm: Vec<f32>,
     pub mixer: Mixer,
@@ -145,6 +200,7 @@ pub struct Layer {
     pub moe: Moe,
 }
 
+#[derive(Clone)]
 pub struct Weights {
     pub config: Config,
     /// `[vocab, hidden]`.
@@ -155,165 +211,216 @@ pub struct Weights {
     pub lm_head: Linear,
 }
 
-/// Finds tensors under whichever naming convention the checkpoint uses, and checks shapes.
-struct Names<'a> {
-    ckpt: &'a Checkpoint,
-    prefix: &'static str,
-}
-
-impl<'a> Names<'a> {
-    fn new(ckpt: &'a Checkpoint) -> Result<Names<'a>> {
-        for prefix in ["model.language_model.", "model.", "language_model.model."] {
-            if ckpt.contains(&format!("{prefix}embed_tokens.weight")) {
-                return Ok(Names { ckpt, prefix });
-            }
-        }
-        bail!(
-            "missing tensor model.language_model.embed_tokens.weight in checkpoint {} (also looked for model.* and \
-             language_model.model.* names)",
-            ckpt.dir.display()
-        )
-    }
-
-    fn view(&self, name: &str) -> Result<TensorView<'a>> {
-        self.ckpt.require(name)
-    }
-
-    /// An f32 copy of tensor `name`, whose shape must equal `shape` (ignoring size-1 axes when `squeeze`).
-    fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let t = self.view(name)?;
-        check_shape(&t, shape)?;
-        t.to_f32()
-    }
-
-    fn norm_1p(&self, name: &str, n: usize) -> Result<Vec<f32>> {
-        Ok(self.f32(name, &[n])?.into_iter().map(|w| 1.0 + w).collect())
-    }
-
-    fn linear(&self, name: &str, rows: usize, cols: usize) -> Result<Linear> {
-        Ok(Linear::new(rows, cols, self.f32(name, &[rows, cols])?))
-    }
-
-    fn layer(&self, i: usize) -> String {
-        format!("{}layers.{i}.", self.prefix)
-    }
-}
-
-fn check_shape(t: &TensorView, shape: &[usize]) -> Result<()> {
-    let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
-    let ok = t.shape == shape || (t.shape.len() != shape.len() && squeeze(t.shape) == squeeze(shape));
-    if !ok {
-        bail!("{}: tensor {} has shape {:?}, expected {:?}", t.file.display(), t.name, t.shape, shape);
-    }
-    Ok(())
+/// How [`Weights::load_with`] treats an unquantised (Hugging Face) checkpoint.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    /// Quantise every projection to 4-bit on load (router and shared expert gate 8-bit), exactly as
+    /// `tern quantize` would. mlx checkpoints are always used as stored.
+    pub quantize: bool,
 }
 
 impl Weights {
-    /// Load a checkpoint directory (config.json + safetensors) as f32 weights.
+    /// Load a checkpoint directory (config.json + safetensors): mlx checkpoints as stored, HF ones as f32.
     pub fn load(dir: &Path) -> Result<Weights> {
-        let config = Config::from_dir(dir)?;
-        let ckpt = Checkpoint::open(dir)?;
-        Weights::from_checkpoint(config, &ckpt)
+        Weights::load_with(dir, LoadOptions::default())
     }
 
-    pub fn from_checkpoint(config: Config, ckpt: &Checkpoint) -> Result<Weights> {
+    pub fn load_with(dir: &Path, opts: LoadOptions) -> Result<Weights> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let json: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+        let config = Config::from_json(&json).with_context(|| format!("in {}", path.display()))?;
+        let spec = QuantSpec::from_config(&json).with_context(|| format!("in {}", path.display()))?;
+        let ckpt = Checkpoint::open(dir)?;
+        if ckpt.contains(&format!("{PREFIX}embed_tokens.weight")) {
+            return Weights::build(config, &Source::Mlx { ckpt: &ckpt, spec });
+        }
+        let values = HfValues::new(&ckpt)?;
+        let spec = opts.quantize.then(|| QuantSpec::q4(&config));
+        Weights::from_values(config, &values, spec.as_ref())
+    }
+
+    /// Weights from f32 values (an HF checkpoint, random values), stored as `spec` says (`None`: all f32).
+    pub fn from_values(config: Config, values: &dyn Values, spec: Option<&QuantSpec>) -> Result<Weights> {
+        Weights::build(config, &Source::Values { values, spec })
+    }
+
+    /// A copy with every quantised matrix dequantised to f32: the reference the fast path must match.
+    pub fn dequantized(&self) -> Weights {
+        let mut w = self.clone();
+        w.linears_mut().into_iter().for_each(|l| *l = l.dequantized());
+        w
+    }
+
+    /// Every linear of the model (embedding and lm_head included).
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v = vec![&mut self.embed, &mut self.lm_head];
+        for l in &mut self.layers {
+            match &mut l.mixer {
+                Mixer::Attention(a) => v.extend([&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj]),
+                Mixer::DeltaNet(g) => v.extend([
+                    &mut g.in_proj_qkv,
+                    &mut g.in_proj_z,
+                    &mut g.in_proj_b,
+                    &mut g.in_proj_a,
+                    &mut g.out_proj,
+                ]),
+            }
+            let m = &mut l.moe;
+            v.extend([&mut m.router, &mut m.shared_gate]);
+            for e in m.experts.iter_mut().chain([&mut m.shared]) {
+                v.extend([&mut e.gate, &mut e.up, &mut e.down]);
+            }
+        }
+        v
+    }
+
+    fn build(config: Config, src: &Source) -> Result<Weights> {
+        let ld = Loader { src, entries: mlx::entries(&config).into_iter().map(|e| (e.name.clone(), e)).collect() };
         let c = &config;
-        let n = Names::new(ckpt)?;
-        let h = c.hidden_size;
-        let embed = n.linear(&format!("{}embed_tokens.weight", n.prefix), c.vocab_size, h)?;
-        let norm = n.norm_1p(&format!("{}norm.weight", n.prefix), h)?;
-        let head_name = ["lm_head.weight", "language_model.lm_head.weight"].into_iter().find(|k| ckpt.contains(k));
-        let lm_head = match head_name {
-            Some(k) => n.linear(k, c.vocab_size, h)?,
-            None if c.tie_word_embeddings => Linear::new(c.vocab_size, h, embed.w.clone()),
-            None => bail!("missing tensor lm_head.weight in checkpoint {}", ckpt.dir.display()),
-        };
-        let layers = (0..c.num_layers()).map(|i| load_layer(&n, c, i)).collect::<Result<Vec<_>>>()?;
+        let embed = ld.linear(&format!("{PREFIX}embed_tokens"))?;
+        let norm = ld.vector(&format!("{PREFIX}norm.weight"))?;
+        let lm_head = if c.tie_word_embeddings { embed.clone() } else { ld.linear(LM_HEAD)? };
+        let layers = (0..c.num_layers()).map(|i| load_layer(&ld, c, i)).collect::<Result<Vec<_>>>()?;
         Ok(Weights { config, embed, layers, norm, lm_head })
     }
 }
 
-fn load_layer(n: &Names, c: &Config, i: usize) -> Result<Layer> {
-    let p = n.layer(i);
-    let h = c.hidden_size;
-    let mixer = match c.layer_types[i] {
-        LayerKind::Full => {
-            let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-            let a = format!("{p}self_attn.");
-            Mixer::Attention(Attention {
-                q_proj: n.linear(&format!("{a}q_proj.weight"), nh * hd * 2, h)?,
-                k_proj: n.linear(&format!("{a}k_proj.weight"), nkv * hd, h)?,
-                v_proj: n.linear(&format!("{a}v_proj.weight"), nkv * hd, h)?,
-                o_proj: n.linear(&format!("{a}o_proj.weight"), h, nh * hd)?,
-                q_norm: n.norm_1p(&format!("{a}q_norm.weight"), hd)?,
-                k_norm: n.norm_1p(&format!("{a}k_norm.weight"), hd)?,
-            })
-        }
-        LayerKind::Linear => {
-            let g = format!("{p}linear_attn.");
-            let (cd, hv, kk) = (c.linear_conv_dim(), c.linear_num_value_heads, c.linear_conv_kernel_dim);
-            Mixer::DeltaNet(GatedDeltaNet {
-                in_proj_qkv: n.linear(&format!("{g}in_proj_qkv.weight"), cd, h)?,
-                in_proj_z: n.linear(&format!("{g}in_proj_z.weight"), c.linear_value_dim(), h)?,
-                in_proj_b: n.linear(&format!("{g}in_proj_b.weight"), hv, h)?,
-                in_proj_a: n.linear(&format!("{g}in_proj_a.weight"), hv, h)?,
-                conv: n.f32(&format!("{g}conv1d.weight"), &[cd, 1, kk]).or_else(|e| {
-                    // mlx stores the conv as [C, K, 1].
-                    n.f32(&format!("{g}conv1d.weight"), &[cd, kk]).map_err(|_| e)
-                })?,
-                a_log: n.f32(&format!("{g}A_log"), &[hv])?,
-                dt_bias: n.f32(&format!("{g}dt_bias"), &[hv])?,
-                norm: n.f32(&format!("{g}norm.weight"), &[c.linear_value_head_dim])?,
-                out_proj: n.linear(&format!("{g}out_proj.weight"), h, c.linear_value_dim())?,
-            })
-        }
-    };
-    Ok(Layer {
-        input_norm: n.norm_1p(&format!("{p}input_layernorm.weight"), h)?,
-        mixer,
-        post_norm: n.norm_1p(&format!("{p}post_attention_layernorm.weight"), h)?,
-        moe: load_moe(n, c, &p)?,
-    })
+/// Where the loader gets each tensor.
+enum Source<'a> {
+    /// An mlx checkpoint: quantised tensors are mapped, not copied.
+    Mlx { ckpt: &'a Checkpoint, spec: Option<QuantSpec> },
+    /// f32 values, converted as `spec` says (`None`: f32).
+    Values { values: &'a dyn Values, spec: Option<&'a QuantSpec> },
 }
 
-fn load_moe(n: &Names, c: &Config, p: &str) -> Result<Moe> {
-    let (h, e, im, si) = (c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-    let m = format!("{p}mlp.");
-    let fused = format!("{m}experts.gate_up_proj");
-    let experts = if n.ckpt.contains(&fused) {
-        let gu = n.f32(&fused, &[e, 2 * im, h])?;
-        let down = n.f32(&format!("{m}experts.down_proj"), &[e, h, im])?;
-        (0..e)
-            .map(|x| {
-                let base = x * 2 * im * h;
-                Mlp {
-                    gate: Linear::new(im, h, gu[base..base + im * h].to_vec()),
-                    up: Linear::new(im, h, gu[base + im * h..base + 2 * im * h].to_vec()),
-                    down: Linear::new(h, im, down[x * h * im..(x + 1) * h * im].to_vec()),
+struct Loader<'a> {
+    src: &'a Source<'a>,
+    entries: HashMap<String, Entry>,
+}
+
+impl Loader<'_> {
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.entries.get(name).with_context(|| format!("internal: no layout entry {name}"))
+    }
+
+    /// A non-stacked linear.
+    fn linear(&self, name: &str) -> Result<Linear> {
+        Ok(self.stacked(name)?.swap_remove(0))
+    }
+
+    /// One linear per expert (one for a non-stacked entry).
+    fn stacked(&self, name: &str) -> Result<Vec<Linear>> {
+        let e = self.entry(name)?;
+        let (rows, cols) = e.matrix();
+        let n = e.experts();
+        let split = |v: Vec<f32>| v.chunks_exact(rows * cols).map(|w| Linear::new(rows, cols, w.to_vec())).collect();
+        match self.src {
+            Source::Values { values, spec: None } => {
+                (0..n).map(|x| Ok(Linear::new(rows, cols, values.values(e, x)?))).collect()
+            }
+            Source::Values { values, spec: Some(spec) } => Ok(match convert(e, *values, spec)? {
+                Stored::Quant(m) => m.into_iter().map(Linear::Quant).collect(),
+                Stored::Float(v) => split(v),
+            }),
+            Source::Mlx { ckpt, spec } => {
+                let scales = format!("{name}.scales");
+                let w = ckpt.require(&format!("{name}.weight"))?;
+                if !ckpt.contains(&scales) {
+                    check_shape(&w, &e.shape)?;
+                    return Ok(split(w.to_f32()?));
                 }
-            })
-            .collect()
-    } else {
-        (0..e)
-            .map(|x| {
-                let q = format!("{m}experts.{x}.");
-                Ok(Mlp {
-                    gate: n.linear(&format!("{q}gate_proj.weight"), im, h)?,
-                    up: n.linear(&format!("{q}up_proj.weight"), im, h)?,
-                    down: n.linear(&format!("{q}down_proj.weight"), h, im)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?
+                let spec = spec.as_ref().with_context(|| {
+                    format!("{}: tensor {scales} exists but config.json has no quantization", w.file.display())
+                })?;
+                let (gs, bits) = spec.params(name);
+                let (s, b) = (ckpt.require(&scales)?, ckpt.require(&format!("{name}.biases"))?);
+                let lead = &e.shape[..e.shape.len() - 1];
+                let with = |d: usize| lead.iter().copied().chain([d]).collect::<Vec<_>>();
+                check_shape(&w, &with(cols * bits as usize / 32))
+                    .with_context(|| format!("{bits}-bit group {gs} (from config.json quantization)"))?;
+                check_shape(&s, &with(cols / gs))?;
+                check_shape(&b, &with(cols / gs))?;
+                let (pw, ps, pb) =
+                    (w.slab::<u32>(Dtype::U32)?, s.slab::<bf16>(Dtype::BF16)?, b.slab::<bf16>(Dtype::BF16)?);
+                let (wn, gn) = (rows * cols * bits as usize / 32, rows * cols / gs);
+                let cut = |x: usize| -> Result<Linear> {
+                    let part = |sl: &Slab<bf16>| sl.sub(x * gn..(x + 1) * gn);
+                    let m = QuantMatrix::from_parts(
+                        rows,
+                        cols,
+                        bits,
+                        gs,
+                        pw.sub(x * wn..(x + 1) * wn)?,
+                        part(&ps)?,
+                        part(&pb)?,
+                    )?;
+                    Ok(Linear::Quant(m))
+                };
+                (0..n).map(|x| cut(x).with_context(|| format!("{}: tensor {name}.weight", w.file.display()))).collect()
+            }
+        }
+    }
+
+    /// A vector (norm gain, conv, A_log, dt_bias) as the model uses it.
+    fn vector(&self, name: &str) -> Result<Vec<f32>> {
+        let e = self.entry(name)?;
+        match self.src {
+            Source::Values { values, spec: None } => values.values(e, 0),
+            Source::Values { values, spec: Some(spec) } => match convert(e, *values, spec)? {
+                Stored::Float(v) => Ok(v),
+                Stored::Quant(_) => bail!("internal: {name} is not a vector"),
+            },
+            Source::Mlx { ckpt, .. } => {
+                let t = ckpt.require(name)?;
+                check_shape(&t, &e.shape)?;
+                t.to_f32()
+            }
+        }
+    }
+}
+
+fn load_layer(ld: &Loader, c: &Config, i: usize) -> Result<Layer> {
+    let p = format!("{PREFIX}layers.{i}.");
+    let lin = |rel: &str| ld.linear(&format!("{p}{rel}"));
+    let vec = |rel: &str| ld.vector(&format!("{p}{rel}"));
+    let mixer = match c.layer_types[i] {
+        LayerKind::Full => Mixer::Attention(Attention {
+            q_proj: lin("self_attn.q_proj")?,
+            k_proj: lin("self_attn.k_proj")?,
+            v_proj: lin("self_attn.v_proj")?,
+            o_proj: lin("self_attn.o_proj")?,
+            q_norm: vec("self_attn.q_norm.weight")?,
+            k_norm: vec("self_attn.k_norm.weight")?,
+        }),
+        LayerKind::Linear => Mixer::DeltaNet(GatedDeltaNet {
+            in_proj_qkv: lin("linear_attn.in_proj_qkv")?,
+            in_proj_z: lin("linear_attn.in_proj_z")?,
+            in_proj_b: lin("linear_attn.in_proj_b")?,
+            in_proj_a: lin("linear_attn.in_proj_a")?,
+            conv: vec("linear_attn.conv1d.weight")?,
+            a_log: vec("linear_attn.A_log")?,
+            dt_bias: vec("linear_attn.dt_bias")?,
+            norm: vec("linear_attn.norm.weight")?,
+            out_proj: lin("linear_attn.out_proj")?,
+        }),
     };
-    let s = format!("{m}shared_expert.");
-    Ok(Moe {
-        router: n.linear(&format!("{m}gate.weight"), e, h)?,
-        experts,
-        shared: Mlp {
-            gate: n.linear(&format!("{s}gate_proj.weight"), si, h)?,
-            up: n.linear(&format!("{s}up_proj.weight"), si, h)?,
-            down: n.linear(&format!("{s}down_proj.weight"), h, si)?,
+    let stacked = |proj: &str| ld.stacked(&format!("{p}mlp.switch_mlp.{proj}"));
+    let (gate, up, down) = (stacked("gate_proj")?, stacked("up_proj")?, stacked("down_proj")?);
+    let experts = gate.into_iter().zip(up).zip(down).map(|((gate, up), down)| Mlp { gate, up, down }).collect();
+    Ok(Layer {
+        input_norm: vec("input_layernorm.weight")?,
+        mixer,
+        post_norm: vec("post_attention_layernorm.weight")?,
+        moe: Moe {
+            router: lin("mlp.gate")?,
+            experts,
+            shared: Mlp {
+                gate: lin("mlp.shared_expert.gate_proj")?,
+                up: lin("mlp.shared_expert.up_proj")?,
+                down: lin("mlp.shared_expert.down_proj")?,
+            },
+            shared_gate: lin("mlp.shared_expert_gate")?,
         },
-        shared_gate: n.linear(&format!("{m}shared_expert_gate.weight"), 1, h)?,
     })
 }

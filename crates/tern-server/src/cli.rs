@@ -1,7 +1,5 @@
 //! `tern serve`: arguments and entry point.
 
-use std::path::PathBuf;
-
 use anyhow::Result;
 
 use crate::ServeOptions;
@@ -9,9 +7,12 @@ use crate::ServeOptions;
 /// Serve a model over an OpenAI-compatible HTTP API.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Model directory (config.json, safetensors, tokenizer, chat template).
-    #[arg(long)]
-    pub model: PathBuf,
+    /// Model directory or Hugging Face id (default: the checkpoint tern is built for).
+    #[arg(long, default_value = "mlx-community/Qwen3.6-35B-A3B-4bit")]
+    pub model: String,
+    /// cpu, cuda or auto.
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
     /// Address to listen on (loopback by default; 0.0.0.0 to expose).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -32,9 +33,12 @@ pub struct Args {
     pub max_queue: usize,
 }
 
-/// Start a runtime, listen at once, load the model in the background (/health answers 503 until it is
-/// ready), serve until SIGINT/SIGTERM and drain.
-pub fn main(args: Args) -> Result<()> {
+/// Start a runtime, listen at once, load the model in the background with `load(model, backend, ctx_size)`
+/// (/health answers 503 until it is ready), serve until SIGINT/SIGTERM and drain.
+pub fn main(
+    args: Args,
+    load: impl FnOnce(&str, &str, usize) -> Result<tern_engine::Model> + Send + 'static,
+) -> Result<()> {
     let opts = ServeOptions {
         host: args.host,
         port: args.port,
@@ -44,9 +48,9 @@ pub fn main(args: Args) -> Result<()> {
         max_queue: args.max_queue,
         ..ServeOptions::default()
     };
-    let model = args.model;
+    let (model, backend, ctx) = (args.model, args.backend, args.ctx_size);
     tokio::runtime::Runtime::new()?.block_on(async move {
         let listener = crate::bind(&opts).await?;
-        crate::run(listener, move || tern_engine::Model::load_cpu(&model), opts, crate::shutdown_signal()).await
+        crate::run(listener, move || load(&model, &backend, ctx), opts, crate::shutdown_signal()).await
     })
 }

@@ -1,0 +1,430 @@
+//! The CUDA context, the loaded kernels, and one safe wrapper per kernel: each checks the shapes and buffer
+//! lengths it is given before launching.
+
+use std::sync::Arc;
+
+use anyhow::{bail, ensure, Context, Result};
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+
+/// A quantised matrix on the device (MLX affine, bf16 scales/biases kept as raw u16 bits).
+pub struct QMat {
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: u32,
+    pub gs: usize,
+    pub w: CudaSlice<u32>,
+    pub s: CudaSlice<u16>,
+    pub b: CudaSlice<u16>,
+}
+
+impl QMat {
+    /// Bytes one full pass reads.
+    pub fn bytes(&self) -> usize {
+        self.w.len() * 4 + (self.s.len() + self.b.len()) * 2
+    }
+}
+
+/// Stacked experts `[n, rows_e, cols_e]` (the last one may be smaller): expert `e` starts at `e * words` /
+/// `e * groups`.
+pub struct Experts {
+    pub w: CudaSlice<u32>,
+    pub s: CudaSlice<u16>,
+    pub b: CudaSlice<u16>,
+    pub words: usize,
+    pub groups: usize,
+    pub gs: usize,
+}
+
+macro_rules! funcs {
+    ($($name:ident: $file:literal),* $(,)?) => {
+        /// Every kernel, loaded from the embedded cubins.
+        pub struct Funcs { $(pub $name: CudaFunction,)* }
+        impl Funcs {
+            fn load(modules: &[(&str, Arc<CudaModule>)]) -> Result<Funcs> {
+                let get = |file: &str, name: &str| -> Result<CudaFunction> {
+                    let m = modules.iter().find(|(n, _)| *n == file).with_context(|| format!("no cubin {file}"))?;
+                    m.1.load_function(name).with_context(|| format!("kernel {name} in {file}.cu"))
+                };
+                Ok(Funcs { $($name: get($file, stringify!($name))?,)* })
+            }
+        }
+    };
+}
+
+funcs! {
+    gemv_q4: "gemv", gemv_q8: "gemv",
+    moe_topk: "moe", moe_gate_up: "moe", moe_down: "moe",
+    gdn_step: "gdn",
+    attn_prep: "attention", attn_decode: "attention", attn_combine: "attention",
+    embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
+    fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
+}
+
+/// One GPU: context, the stream every kernel runs on, and the kernels.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub f: Funcs,
+    pub sms: u32,
+    _modules: Vec<Arc<CudaModule>>,
+}
+
+/// Blocks of the grid-stride GEMV-like kernels: enough to fill the chip, no more.
+const BLOCKS_PER_SM: u32 = 4;
+/// Threads of the GEMV-like kernels (8 warps).
+const GEMV_THREADS: u32 = 256;
+
+fn cfg(grid: (u32, u32), block: u32, smem: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0.max(1), grid.1.max(1), 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem as u32,
+    }
+}
+
+fn padded_len(n: usize) -> usize {
+    n + (n >> 5) + 1
+}
+
+/// The null device pointer for optional kernel arguments.
+const NULL: u64 = 0;
+
+impl Gpu {
+    /// Device 0 with the embedded kernels; a clear error without kernels, driver or device.
+    pub fn new() -> Result<Arc<Gpu>> {
+        if !tern_kernels::available() {
+            bail!("tern was built without CUDA kernels (nvcc was not found at build time; see .ci/install-nvcc)");
+        }
+        // SAFETY: only probes whether libcuda can be loaded (cudarc would panic on first use otherwise).
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            bail!("no CUDA driver (libcuda) could be loaded");
+        }
+        let n = CudaContext::device_count().context("no CUDA device: cuDeviceGetCount failed")?;
+        ensure!(n > 0, "no CUDA device");
+        let ctx = CudaContext::new(0).context("cannot create a CUDA context on device 0")?;
+        // SAFETY: tern uses a single stream per context; cross-stream event tracking is not needed, and it must
+        // be off so that graph capture records kernels only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let mut modules = Vec::new();
+        for (name, bin) in tern_kernels::CUBINS {
+            let m = ctx.load_module(Ptx::from_binary(bin.to_vec())).with_context(|| format!("loading {name}.cubin"))?;
+            modules.push((*name, m));
+        }
+        let f = Funcs::load(&modules)?;
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        Ok(Arc::new(Gpu { ctx, stream, f, sms, _modules: modules.into_iter().map(|m| m.1).collect() }))
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros::<T>(n.max(1))?)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(v)?)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, s: &CudaSlice<T>) -> Result<Vec<T>> {
+        Ok(self.stream.clone_dtoh(s)?)
+    }
+
+    fn grid_for_rows(&self, rows: usize) -> u32 {
+        (rows.div_ceil(8) as u32).min(self.sms * BLOCKS_PER_SM)
+    }
+
+    /// `y = W xn` (or `y += W xn` when `accumulate`), where xn is `x`, `RMSNorm(x) * gain` (gain given, no z),
+    /// or the per-head gated RMSNorm `norm(x_h) * gain * silu(z)` over heads of `hd` (gain and z given).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv(
+        &self,
+        m: &QMat,
+        x: &CudaSlice<f32>,
+        gain: Option<&CudaSlice<f32>>,
+        z: Option<(&CudaSlice<f32>, usize, usize)>,
+        eps: f32,
+        y: &mut CudaSlice<f32>,
+        y_off: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        ensure!(x.len() >= m.cols && y.len() >= y_off + m.rows, "gemv: x {} / y {} too short", x.len(), y.len());
+        ensure!(m.cols * m.bits as usize % 128 == 0 && m.gs % (128 / m.bits as usize) == 0, "gemv: bad layout");
+        ensure!(m.cols <= 8192, "gemv: cols {} over the shared-memory budget", m.cols);
+        let hd = match z {
+            Some((zs, off, h)) => {
+                let ok = h > 0 && gain.is_some_and(|g| g.len() >= h) && zs.len() >= off + m.cols && m.cols % h == 0;
+                ensure!(ok, "gemv: gated norm needs gain[hd], z[off + cols] and cols % hd == 0");
+                h as i32
+            }
+            None => {
+                ensure!(gain.is_none_or(|g| g.len() >= m.cols), "gemv: gain shorter than cols");
+                0
+            }
+        };
+        let func = if m.bits == 4 { &self.f.gemv_q4 } else { &self.f.gemv_q8 };
+        let c = cfg((self.grid_for_rows(m.rows), 1), GEMV_THREADS, padded_len(m.cols) * 4);
+        let (rows, cols, gs, acc) = (m.rows as i32, m.cols as i32, m.gs as i32, accumulate as i32);
+        let yv = y.slice(y_off..);
+        let mut l = self.stream.launch_builder(func);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gs).arg(x);
+        match gain {
+            Some(g) => l.arg(g),
+            None => l.arg(&NULL),
+        };
+        let zv = z.map(|(zs, off, _)| zs.slice(off..));
+        match &zv {
+            Some(v) => l.arg(v),
+            None => l.arg(&NULL),
+        };
+        l.arg(&hd).arg(&eps).arg(&yv).arg(&acc);
+        // SAFETY: argument list matches gemv_q4/q8 in gemv.cu; every buffer was checked above to hold the
+        // rows/cols the kernel reads and writes; shared memory is sized by padded_len(cols).
+        unsafe { l.launch(c) }?;
+        Ok(())
+    }
+
+    /// Router softmax + top-k + renormalise (+ shared-expert gate in slot k).
+    pub fn moe_topk(
+        &self,
+        logits: &CudaSlice<f32>,
+        e: usize,
+        k: usize,
+        idx: &mut CudaSlice<i32>,
+        wts: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(logits.len() > e && e <= 256 && k <= e.min(32) && idx.len() > k && wts.len() > k, "moe_topk: shapes");
+        let (ei, ki) = (e as i32, k as i32);
+        let mut l = self.stream.launch_builder(&self.f.moe_topk);
+        l.arg(logits).arg(&ei).arg(&ki).arg(&*idx).arg(&*wts);
+        // SAFETY: matches moe_topk in moe.cu; logits hold E+1 values, idx/wts k+1 slots.
+        unsafe { l.launch(cfg((1, 1), 32, 0)) }?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up(
+        &self,
+        gu: &Experts,
+        n_experts: usize,
+        idx: &CudaSlice<i32>,
+        k: usize,
+        (i, is): (usize, usize),
+        x: &CudaSlice<f32>,
+        gain: &CudaSlice<f32>,
+        eps: f32,
+        act: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let h = gain.len();
+        let imax = i.max(is);
+        ensure!(x.len() >= h && idx.len() > k && act.len() >= (k + 1) * imax, "moe_gate_up: shapes");
+        ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up: expert buffer too short");
+        ensure!(h % 32 == 0 && gu.gs % 32 == 0, "moe_gate_up: layout");
+        let items = k * i + is;
+        let c = cfg(((items.div_ceil(8) as u32).min(self.sms * BLOCKS_PER_SM), 1), GEMV_THREADS, padded_len(h) * 4);
+        let (words, groups) = (gu.words as i64, gu.groups as i64);
+        let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, gu.gs as i32);
+        let mut l = self.stream.launch_builder(&self.f.moe_gate_up);
+        l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(idx).arg(&ki).arg(&ii).arg(&isi);
+        l.arg(&hi).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*act);
+        // SAFETY: matches moe_gate_up in moe.cu; idx entries are < n_experts+1 (written by moe_topk), the expert
+        // buffer holds n_experts routed experts plus the shared one (checked above).
+        unsafe { l.launch(c) }?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down(
+        &self,
+        down: &Experts,
+        n_experts: usize,
+        idx: &CudaSlice<i32>,
+        wts: &CudaSlice<f32>,
+        k: usize,
+        (i, is): (usize, usize),
+        act: &CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let h = x.len();
+        let imax = i.max(is);
+        ensure!(idx.len() > k && wts.len() > k && act.len() >= (k + 1) * imax, "moe_down: shapes");
+        ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down: expert buffer too short");
+        ensure!(i % 32 == 0 && is % 32 == 0 && (k + 1) * padded_len(imax) * 4 <= 48 * 1024, "moe_down: layout");
+        let c = cfg((self.grid_for_rows(h), 1), GEMV_THREADS, (k + 1) * padded_len(imax) * 4);
+        let (words, groups) = (down.words as i64, down.groups as i64);
+        let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, down.gs as i32);
+        let mut l = self.stream.launch_builder(&self.f.moe_down);
+        l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(idx).arg(wts).arg(&ki).arg(&ii);
+        l.arg(&isi).arg(&hi).arg(&gs).arg(act).arg(&*x);
+        // SAFETY: matches moe_down in moe.cu; shapes checked above; x has H values, each row written by one warp.
+        unsafe { l.launch(c) }?;
+        Ok(())
+    }
+
+    /// Gated DeltaNet core for one layer (see gdn.cu). `dims` = (Hk, Hv, dk, dv, K).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_step(
+        &self,
+        proj: &CudaSlice<f32>,
+        conv_w: &CudaSlice<f32>,
+        ring: &mut CudaSlice<f32>,
+        a_log: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        state: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        pos: &CudaSlice<i32>,
+        (hk, hv, dk, dv, k): (usize, usize, usize, usize, usize),
+    ) -> Result<()> {
+        let conv_dim = 2 * hk * dk + hv * dv;
+        ensure!(dk <= 128 && hv % hk == 0 && k >= 1, "gdn_step: dims");
+        ensure!(proj.len() >= conv_dim + hv * dv + 2 * hv && conv_w.len() == conv_dim * k, "gdn_step: proj/conv");
+        ensure!(ring.len() >= k * conv_dim && state.len() >= hv * dk * dv && out.len() >= hv * dv, "gdn_step: state");
+        ensure!(a_log.len() >= hv && dt_bias.len() >= hv && !pos.is_empty(), "gdn_step: vectors");
+        let d = [hk, hv, dk, dv, k].map(|v| v as i32);
+        let mut l = self.stream.launch_builder(&self.f.gdn_step);
+        l.arg(proj).arg(conv_w).arg(&*ring).arg(a_log).arg(dt_bias).arg(&*state).arg(&*out).arg(pos);
+        l.arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&d[3]).arg(&d[4]);
+        // SAFETY: matches gdn_step in gdn.cu; all buffers checked above; one block per (value head, 32 columns).
+        unsafe { l.launch(cfg((hv as u32, dv.div_ceil(32) as u32), 128, 0)) }?;
+        Ok(())
+    }
+
+    /// q/k norm + RoPE, K/V append at *pos. `dims` = (nh, nkv, hd, rotary_dim).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prep(
+        &self,
+        proj: &CudaSlice<f32>,
+        qn: &CudaSlice<f32>,
+        kn: &CudaSlice<f32>,
+        pos: &CudaSlice<i32>,
+        (nh, nkv, hd, rd): (usize, usize, usize, usize),
+        theta: f32,
+        eps: f32,
+        qbuf: &mut CudaSlice<f32>,
+        kc: &mut CudaSlice<u16>,
+        vc: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        ensure!(hd <= 256 && hd % 32 == 0 && rd <= hd && rd % 2 == 0, "attn_prep: dims");
+        ensure!(proj.len() >= (2 * nh + 2 * nkv) * hd && qn.len() >= hd && kn.len() >= hd, "attn_prep: proj");
+        ensure!(qbuf.len() >= nh * hd && kc.len() == vc.len() && kc.len() % (nkv * hd) == 0, "attn_prep: bufs");
+        let d = [nh, nkv, hd, rd].map(|v| v as i32);
+        let mut l = self.stream.launch_builder(&self.f.attn_prep);
+        l.arg(proj).arg(qn).arg(kn).arg(pos).arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&d[3]).arg(&theta).arg(&eps);
+        l.arg(&*qbuf).arg(&*kc).arg(&*vc);
+        // SAFETY: matches attn_prep in attention.cu; the caller keeps *pos below the cache capacity
+        // (kc.len() / (nkv*hd) rows, enforced by the sequence before each step).
+        unsafe { l.launch(cfg(((nh + nkv) as u32, 1), hd as u32, 0)) }?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_decode(
+        &self,
+        qbuf: &CudaSlice<f32>,
+        kc: &CudaSlice<u16>,
+        vc: &CudaSlice<u16>,
+        pos: &CudaSlice<i32>,
+        (nh, nkv, hd): (usize, usize, usize),
+        nsplit: usize,
+        part: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(hd <= 256 && nh % nkv == 0 && nh / nkv <= 32 && nsplit >= 1, "attn_decode: dims");
+        ensure!(qbuf.len() >= nh * hd && part.len() >= nh * nsplit * (hd + 2), "attn_decode: buffers");
+        let scale = 1.0 / (hd as f32).sqrt();
+        let d = [nh, nkv, hd].map(|v| v as i32);
+        let mut l = self.stream.launch_builder(&self.f.attn_decode);
+        l.arg(qbuf).arg(kc).arg(vc).arg(pos).arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&scale).arg(&*part);
+        // SAFETY: matches attn_decode in attention.cu; keys 0..=*pos are inside the cache (see attn_prep).
+        unsafe { l.launch(cfg((nkv as u32, nsplit as u32), 32 * (nh / nkv) as u32, 0)) }?;
+        Ok(())
+    }
+
+    pub fn attn_combine(
+        &self,
+        part: &CudaSlice<f32>,
+        proj: &CudaSlice<f32>,
+        nh: usize,
+        hd: usize,
+        nsplit: usize,
+        o: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(
+            nsplit <= 1024 && part.len() >= nh * nsplit * (hd + 2) && proj.len() >= 2 * nh * hd && o.len() >= nh * hd,
+            "attn_combine"
+        );
+        let (ns, hdi) = (nsplit as i32, hd as i32);
+        let mut l = self.stream.launch_builder(&self.f.attn_combine);
+        l.arg(part).arg(proj).arg(&ns).arg(&hdi).arg(&*o);
+        // SAFETY: matches attn_combine in attention.cu; shapes checked above.
+        unsafe { l.launch(cfg((nh as u32, 1), (hd as u32).clamp(32, 256), 0)) }?;
+        Ok(())
+    }
+
+    pub fn embed(&self, m: &QMat, tok: &CudaSlice<i32>, x: &mut CudaSlice<f32>) -> Result<()> {
+        ensure!(m.bits == 4 && m.cols % 8 == 0 && x.len() >= m.cols && !tok.is_empty(), "embed: shapes");
+        let (cols, gs) = (m.cols as i32, m.gs as i32);
+        let mut l = self.stream.launch_builder(&self.f.embed_q4);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&cols).arg(&gs).arg(tok).arg(&*x);
+        // SAFETY: matches embed_q4 in misc.cu; token ids are checked against the vocabulary on the host or come
+        // from argmax over the vocabulary.
+        unsafe { l.launch(cfg((m.cols.div_ceil(256) as u32, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Number of partial blocks used by [`Gpu::argmax`].
+    pub fn argmax_blocks(&self) -> usize {
+        (self.sms * 2) as usize
+    }
+
+    /// tok = argmax(v); pos += 1.
+    pub fn argmax(
+        &self,
+        v: &CudaSlice<f32>,
+        pv: &mut CudaSlice<f32>,
+        pi: &mut CudaSlice<i32>,
+        tok: &mut CudaSlice<i32>,
+        pos: &mut CudaSlice<i32>,
+    ) -> Result<()> {
+        let nb = self.argmax_blocks();
+        ensure!(pv.len() >= nb && pi.len() >= nb && !tok.is_empty() && !pos.is_empty(), "argmax: shapes");
+        let (n, nbi) = (v.len() as i32, nb as i32);
+        let mut l = self.stream.launch_builder(&self.f.argmax_partial);
+        l.arg(v).arg(&n).arg(&*pv).arg(&*pi);
+        // SAFETY: matches argmax_partial in misc.cu; pv/pi hold one slot per block.
+        unsafe { l.launch(cfg((nb as u32, 1), 256, 0)) }?;
+        let mut l = self.stream.launch_builder(&self.f.argmax_final);
+        l.arg(&*pv).arg(&*pi).arg(&nbi).arg(&*tok).arg(&*pos);
+        // SAFETY: matches argmax_final in misc.cu; one thread reads nb partials.
+        unsafe { l.launch(cfg((1, 1), 32, 0)) }?;
+        Ok(())
+    }
+
+    pub fn fill_random_u32(&self, p: &mut CudaSlice<u32>, seed: u64) -> Result<()> {
+        let n = p.len() as i64;
+        let mut l = self.stream.launch_builder(&self.f.fill_u32_hash);
+        l.arg(&*p).arg(&n).arg(&seed);
+        // SAFETY: writes exactly p.len() elements.
+        unsafe { l.launch(cfg((self.sms * 8, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    pub fn fill_bf16(&self, p: &mut CudaSlice<u16>, v: f32) -> Result<()> {
+        let n = p.len() as i64;
+        let mut l = self.stream.launch_builder(&self.f.fill_bf16);
+        l.arg(&*p).arg(&n).arg(&v);
+        // SAFETY: writes exactly p.len() bf16 values.
+        unsafe { l.launch(cfg((self.sms * 8, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    pub fn fill_uniform(&self, p: &mut CudaSlice<f32>, seed: u64, lo: f32, hi: f32) -> Result<()> {
+        let n = p.len() as i64;
+        let mut l = self.stream.launch_builder(&self.f.fill_f32_uniform);
+        l.arg(&*p).arg(&n).arg(&seed).arg(&lo).arg(&hi);
+        // SAFETY: writes exactly p.len() f32 values.
+        unsafe { l.launch(cfg((self.sms * 8, 1), 256, 0)) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,366 @@
+//! Per-sequence device state, the decode step (all layers, one token), its CUDA graph, and the backend.
+
+use std::sync::Arc;
+
+use anyhow::{ensure, Context, Result};
+use cudarc::driver::{sys, CudaGraph, CudaSlice};
+use tern_engine::{Backend, Sequence};
+use tern_model::{Config, Weights};
+
+use crate::gpu::Gpu;
+use crate::model::{DMixer, DeviceModel};
+
+pub enum LState {
+    Attn { k: CudaSlice<u16>, v: CudaSlice<u16> },
+    Gdn { ring: CudaSlice<f32>, s: CudaSlice<f32> },
+}
+
+/// One sequence on the device: position counter, input/output token, scratch activations, caches.
+pub struct DeviceState {
+    pub max_ctx: usize,
+    pub nsplit: usize,
+    /// Tokens read so far (mirrors the device counter).
+    pub len: usize,
+    pub pos: CudaSlice<i32>,
+    pub tok: CudaSlice<i32>,
+    pub x: CudaSlice<f32>,
+    pub proj: CudaSlice<f32>,
+    pub o: CudaSlice<f32>,
+    pub qbuf: CudaSlice<f32>,
+    pub part: CudaSlice<f32>,
+    pub act: CudaSlice<f32>,
+    pub router: CudaSlice<f32>,
+    pub idx: CudaSlice<i32>,
+    pub wts: CudaSlice<f32>,
+    pub logits: CudaSlice<f32>,
+    pub apv: CudaSlice<f32>,
+    pub api: CudaSlice<i32>,
+    pub layers: Vec<LState>,
+    graph: Option<CudaGraph>,
+}
+
+/// Per-op timings of one non-graph step, by kernel family (ms).
+#[derive(Default, Debug, Clone)]
+pub struct Profile {
+    pub ops: Vec<(String, f64, usize)>,
+}
+
+impl Profile {
+    fn add(&mut self, name: &str, ms: f64) {
+        match self.ops.iter_mut().find(|o| o.0 == name) {
+            Some(o) => {
+                o.1 += ms;
+                o.2 += 1
+            }
+            None => self.ops.push((name.to_string(), ms, 1)),
+        }
+    }
+}
+
+impl DeviceState {
+    pub fn new(m: &DeviceModel, max_ctx: usize) -> Result<DeviceState> {
+        let (g, c) = (&*m.gpu, &m.config);
+        let h = c.hidden_size;
+        let mut proj_rows = 0;
+        let mut layers = Vec::new();
+        for l in &m.layers {
+            match &l.mixer {
+                DMixer::Attn { qkv, .. } => {
+                    proj_rows = proj_rows.max(qkv.rows);
+                    let n = max_ctx * c.num_key_value_heads * c.head_dim;
+                    layers.push(LState::Attn { k: g.zeros(n)?, v: g.zeros(n)? });
+                }
+                DMixer::Gdn { proj, .. } => {
+                    proj_rows = proj_rows.max(proj.rows);
+                    let s = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+                    layers.push(LState::Gdn {
+                        ring: g.zeros(c.linear_conv_kernel_dim * c.linear_conv_dim())?,
+                        s: g.zeros(s)?,
+                    });
+                }
+            }
+        }
+        let nsplit = (max_ctx / 256).clamp(1, 128);
+        let k = c.num_experts_per_tok;
+        let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
+        let nb = g.argmax_blocks();
+        Ok(DeviceState {
+            max_ctx,
+            nsplit,
+            len: 0,
+            pos: g.zeros(1)?,
+            tok: g.zeros(1)?,
+            x: g.zeros(h)?,
+            proj: g.zeros(proj_rows)?,
+            o: g.zeros((c.num_attention_heads * c.head_dim).max(c.linear_value_dim()))?,
+            qbuf: g.zeros(c.num_attention_heads * c.head_dim)?,
+            part: g.zeros(c.num_attention_heads * nsplit * (c.head_dim + 2))?,
+            act: g.zeros((k + 1) * imax)?,
+            router: g.zeros(c.num_experts + 1)?,
+            idx: g.zeros(k + 1)?,
+            wts: g.zeros(k + 1)?,
+            logits: g.zeros(c.vocab_size)?,
+            apv: g.zeros(nb)?,
+            api: g.zeros(nb)?,
+            layers,
+            graph: None,
+        })
+    }
+
+    /// An independent copy (graph not copied: it binds this state's buffers).
+    pub fn fork(&self, g: &Gpu) -> Result<DeviceState> {
+        let cl = |s: &CudaSlice<f32>| g.stream.clone_dtod(s);
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    LState::Attn { k, v } => LState::Attn { k: g.stream.clone_dtod(k)?, v: g.stream.clone_dtod(v)? },
+                    LState::Gdn { ring, s } => LState::Gdn { ring: cl(ring)?, s: cl(s)? },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(DeviceState {
+            max_ctx: self.max_ctx,
+            nsplit: self.nsplit,
+            len: self.len,
+            pos: g.stream.clone_dtod(&self.pos)?,
+            tok: g.stream.clone_dtod(&self.tok)?,
+            x: cl(&self.x)?,
+            proj: cl(&self.proj)?,
+            o: cl(&self.o)?,
+            qbuf: cl(&self.qbuf)?,
+            part: cl(&self.part)?,
+            act: cl(&self.act)?,
+            router: cl(&self.router)?,
+            idx: g.stream.clone_dtod(&self.idx)?,
+            wts: cl(&self.wts)?,
+            logits: cl(&self.logits)?,
+            apv: cl(&self.apv)?,
+            api: g.stream.clone_dtod(&self.api)?,
+            layers,
+            graph: None,
+        })
+    }
+
+    /// Enqueue one decode step: embed tok, 40 layers, final norm + lm_head into `logits`, tok = argmax,
+    /// pos += 1. With `prof`, every op is bracketed by events and the stream synchronised (no graph).
+    pub fn enqueue_step(&mut self, m: &DeviceModel, mut prof: Option<&mut Profile>) -> Result<()> {
+        let (g, c) = (&*m.gpu, &m.config);
+        let eps = c.rms_norm_eps;
+        let st = self;
+        let mut timed = |name: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+            match prof.as_deref_mut() {
+                None => f(),
+                Some(p) => {
+                    let fl = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+                    let a = g.stream.record_event(fl)?;
+                    f()?;
+                    let b = g.stream.record_event(fl)?;
+                    p.add(name, a.elapsed_ms(&b)? as f64);
+                    Ok(())
+                }
+            }
+        };
+        timed("embed", &mut || g.embed(&m.embed, &st.tok, &mut st.x))?;
+        let (k, e) = (c.num_experts_per_tok, c.num_experts);
+        let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
+        for (l, ls) in m.layers.iter().zip(st.layers.iter_mut()) {
+            match (&l.mixer, ls) {
+                (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) => {
+                    let dims = (
+                        c.linear_num_key_heads,
+                        c.linear_num_value_heads,
+                        c.linear_key_head_dim,
+                        c.linear_value_head_dim,
+                        c.linear_conv_kernel_dim,
+                    );
+                    timed("gdn_in_proj", &mut || {
+                        g.gemv(proj, &st.x, Some(&l.in_norm), None, eps, &mut st.proj, 0, false)
+                    })?;
+                    timed("gdn_core", &mut || {
+                        g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, dims)
+                    })?;
+                    let zoff = c.linear_conv_dim();
+                    let hd = c.linear_value_head_dim;
+                    timed("gdn_out_proj", &mut || {
+                        g.gemv(out, &st.o, Some(norm), Some((&st.proj, zoff, hd)), eps, &mut st.x, 0, true)
+                    })?;
+                }
+                (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) => {
+                    let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                    timed("attn_qkv", &mut || g.gemv(qkv, &st.x, Some(&l.in_norm), None, eps, &mut st.proj, 0, false))?;
+                    let theta = c.rope_theta as f32;
+                    timed("attn_prep", &mut || {
+                        g.attn_prep(
+                            &st.proj,
+                            qn,
+                            kn,
+                            &st.pos,
+                            (nh, nkv, hd, c.rotary_dim),
+                            theta,
+                            eps,
+                            &mut st.qbuf,
+                            kc,
+                            vc,
+                        )
+                    })?;
+                    let ns = st.nsplit;
+                    timed("attn_decode", &mut || {
+                        g.attn_decode(&st.qbuf, kc, vc, &st.pos, (nh, nkv, hd), ns, &mut st.part)
+                    })?;
+                    timed("attn_combine", &mut || g.attn_combine(&st.part, &st.proj, nh, hd, ns, &mut st.o))?;
+                    timed("attn_o_proj", &mut || g.gemv(o, &st.o, None, None, eps, &mut st.x, 0, true))?;
+                }
+                _ => unreachable!("state follows the model's layer kinds"),
+            }
+            timed("moe_router", &mut || {
+                g.gemv(&l.router, &st.x, Some(&l.post_norm), None, eps, &mut st.router, 0, false)
+            })?;
+            timed("moe_topk", &mut || g.moe_topk(&st.router, e, k, &mut st.idx, &mut st.wts))?;
+            timed("moe_gate_up", &mut || {
+                g.moe_gate_up(&l.gate_up, e, &st.idx, k, sizes, &st.x, &l.post_norm, eps, &mut st.act)
+            })?;
+            timed("moe_down", &mut || g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x))?;
+        }
+        timed("lm_head", &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), None, eps, &mut st.logits, 0, false))?;
+        timed("argmax", &mut || g.argmax(&st.logits, &mut st.apv, &mut st.api, &mut st.tok, &mut st.pos))?;
+        Ok(())
+    }
+
+    /// Capture the step in a CUDA graph (once) and replay it.
+    pub fn step_graph(&mut self, m: &DeviceModel) -> Result<()> {
+        ensure!(self.len < self.max_ctx, "context full ({} tokens)", self.max_ctx);
+        if self.graph.is_none() {
+            let s = m.gpu.stream.clone();
+            s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let r = self.enqueue_step(m, None);
+            let graph = s.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+            r?;
+            self.graph = Some(graph?.context("empty graph")?);
+        }
+        self.graph.as_ref().unwrap().launch()?;
+        self.len += 1;
+        Ok(())
+    }
+
+    /// One step without a graph (optionally profiled).
+    pub fn step_plain(&mut self, m: &DeviceModel, prof: Option<&mut Profile>) -> Result<()> {
+        ensure!(self.len < self.max_ctx, "context full ({} tokens)", self.max_ctx);
+        self.enqueue_step(m, prof)?;
+        self.len += 1;
+        Ok(())
+    }
+
+    pub fn set_token(&mut self, g: &Gpu, id: u32) -> Result<()> {
+        g.stream.memcpy_htod(&[id as i32], &mut self.tok)?;
+        Ok(())
+    }
+
+    /// For benchmarks: pretend `len` tokens were read (the KV cache content is whatever it holds).
+    pub fn set_len(&mut self, g: &Gpu, len: usize) -> Result<()> {
+        ensure!(len < self.max_ctx, "set_len: {len} >= capacity {}", self.max_ctx);
+        g.stream.memcpy_htod(&[len as i32], &mut self.pos)?;
+        self.len = len;
+        Ok(())
+    }
+
+    /// Fill the KV caches with non-zero bf16 constants (benchmarks at long context: the attention kernels'
+    /// cost does not depend on the values, but zeros are never timed).
+    pub fn fill_kv(&mut self, g: &Gpu) -> Result<()> {
+        for l in self.layers.iter_mut() {
+            if let LState::Attn { k, v } = l {
+                g.fill_bf16(k, 0.05)?;
+                g.fill_bf16(v, 0.5)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Options of the CUDA backend.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOptions {
+    /// KV-cache capacity of each sequence, in tokens.
+    pub max_context: usize,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions { max_context: 8192 }
+    }
+}
+
+pub struct CudaBackend {
+    pub model: Arc<DeviceModel>,
+    pub opts: CudaOptions,
+}
+
+impl CudaBackend {
+    /// Upload loaded (quantised) weights to device 0.
+    pub fn new(w: &Weights, opts: CudaOptions) -> Result<CudaBackend> {
+        let gpu = Gpu::new()?;
+        Ok(CudaBackend { model: Arc::new(DeviceModel::upload(gpu, w)?), opts })
+    }
+
+    /// The full-shape model with random weights generated on the GPU (benchmarks; no disk).
+    pub fn random(config: &Config, seed: u64, opts: CudaOptions) -> Result<CudaBackend> {
+        let gpu = Gpu::new()?;
+        Ok(CudaBackend { model: Arc::new(DeviceModel::random(gpu, config, seed)?), opts })
+    }
+
+    pub fn new_cuda_sequence(&self) -> Result<CudaSequence> {
+        Ok(CudaSequence { model: self.model.clone(), st: DeviceState::new(&self.model, self.opts.max_context)? })
+    }
+}
+
+pub struct CudaSequence {
+    pub model: Arc<DeviceModel>,
+    pub st: DeviceState,
+}
+
+// SAFETY: the CUDA graph inside DeviceState is only touched through `&mut self` (one thread at a time); device
+// buffers and the context are Send in cudarc.
+unsafe impl Send for CudaSequence {}
+
+impl CudaSequence {
+    /// Read `ids`; logits after the last one.
+    pub fn forward_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let g = self.model.gpu.clone();
+        let vocab = self.model.config.vocab_size;
+        ensure!(!ids.is_empty(), "forward needs at least one token");
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
+        }
+        for &id in ids {
+            self.st.set_token(&g, id)?;
+            self.st.step_graph(&self.model)?;
+        }
+        g.download(&self.st.logits)
+    }
+}
+
+impl Sequence for CudaSequence {
+    fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        self.forward_ids(ids)
+    }
+    fn len(&self) -> usize {
+        self.st.len
+    }
+    fn fork(&self) -> Box<dyn Sequence> {
+        let st = self.st.fork(&self.model.gpu).expect("CUDA: cannot fork sequence state (out of device memory?)");
+        Box::new(CudaSequence { model: self.model.clone(), st })
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &str {
+        "cuda"
+    }
+    fn vocab_size(&self) -> usize {
+        self.model.config.vocab_size
+    }
+    fn new_sequence(&self) -> Box<dyn Sequence> {
+        Box::new(self.new_cuda_sequence().expect("CUDA: cannot allocate sequence state"))
+    }
+}

@@ -1,0 +1,151 @@
+//! GPU tests: kernels against the CPU reference (tern-model) and the whole decode step against the CPU forward
+//! pass on the same 4-bit weights. Without a CUDA device each test prints `NO GPU: <name> not run (no CUDA device)`
+//! and passes; `TERN_REQUIRE_CUDA=1` turns that into a failure.
+
+use tern_cuda::gpu::QMat;
+use tern_cuda::seq::CudaOptions;
+use tern_cuda::{gpu_or_skip, CudaBackend, Gpu};
+use tern_model::forward::{rms_norm, silu};
+use tern_model::mlx::{HfValues, QuantSpec};
+use tern_model::quant::QuantMatrix;
+use tern_model::safetensors::Checkpoint;
+use tern_model::testutil::fixtures_dir;
+use tern_model::{Logits, State, Weights};
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+fn to_dev(g: &Gpu, m: &QuantMatrix) -> QMat {
+    QMat {
+        rows: m.rows(),
+        cols: m.cols(),
+        bits: m.bits(),
+        gs: m.group_size(),
+        w: g.upload(m.packed()).unwrap(),
+        s: g.upload(&m.scales().iter().map(|v| v.to_bits()).collect::<Vec<_>>()).unwrap(),
+        b: g.upload(&m.biases().iter().map(|v| v.to_bits()).collect::<Vec<_>>()).unwrap(),
+    }
+}
+
+/// max |a-b| / max |b|
+fn rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = a.iter().zip(b).fold(0.0f32, |m, (x, y)| if x.is_nan() { f32::INFINITY } else { m.max((x - y).abs()) });
+    d / scale
+}
+
+#[test]
+fn gemv_matches_cpu_quant_kernels() {
+    let Some(g) = gpu_or_skip("gemv_matches_cpu_quant_kernels") else { return };
+    let mut rng = Rng(7);
+    for (rows, cols, bits, gs) in
+        [(12352, 2048, 4, 64), (257, 2048, 8, 64), (2048, 4096, 4, 64), (100, 96, 4, 32), (33, 512, 8, 128)]
+    {
+        let w = rng.vec(rows * cols);
+        let q = QuantMatrix::quantize_grouped(&w, rows, cols, bits, gs).unwrap();
+        let dm = to_dev(&g, &q);
+        let x = rng.vec(cols);
+        let gain: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let y0 = rng.vec(rows);
+        let (dx, dgain) = (g.upload(&x).unwrap(), g.upload(&gain).unwrap());
+        // plain
+        let mut want = vec![0.0; rows];
+        q.gemv(&x, &mut want);
+        let mut dy = g.upload(&vec![f32::NAN; rows]).unwrap();
+        g.gemv(&dm, &dx, None, None, 1e-6, &mut dy, 0, false).unwrap();
+        let e_plain = rel(&g.download(&dy).unwrap(), &want);
+        // rmsnorm prologue + accumulate
+        let mut xn = x.clone();
+        rms_norm(&mut xn, &gain, 1e-6);
+        let mut want2 = vec![0.0; rows];
+        q.gemv(&xn, &mut want2);
+        want2.iter_mut().zip(&y0).for_each(|(a, b)| *a += b);
+        let mut dy = g.upload(&y0).unwrap();
+        g.gemv(&dm, &dx, Some(&dgain), None, 1e-6, &mut dy, 0, true).unwrap();
+        let e_norm = rel(&g.download(&dy).unwrap(), &want2);
+        // gated per-head norm prologue (heads of 32)
+        let hd = 32;
+        let z = rng.vec(cols + 5);
+        let hgain = &gain[..hd];
+        let mut xg = x.clone();
+        for (h, r) in xg.chunks_exact_mut(hd).enumerate() {
+            rms_norm(r, hgain, 1e-6);
+            r.iter_mut().enumerate().for_each(|(j, v)| *v *= silu(z[5 + h * hd + j]));
+        }
+        let mut want3 = vec![0.0; rows];
+        q.gemv(&xg, &mut want3);
+        let dz = g.upload(&z).unwrap();
+        let mut dy = g.upload(&vec![f32::NAN; rows]).unwrap();
+        g.gemv(&dm, &dx, Some(&dgain), Some((&dz, 5, hd)), 1e-6, &mut dy, 0, false).unwrap();
+        let e_gated = rel(&g.download(&dy).unwrap(), &want3);
+        println!("gemv {rows}x{cols} {bits}-bit g{gs}: rel err plain {e_plain:.2e} norm+acc {e_norm:.2e} gated {e_gated:.2e}");
+        for e in [e_plain, e_norm, e_gated] {
+            assert!(e < 1e-4, "gemv {rows}x{cols} {bits}-bit: rel error {e}");
+        }
+    }
+}
+
+fn tiny_b_q4() -> Weights {
+    let dir = fixtures_dir().join("tiny-b");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let config = tern_model::Config::from_dir(&dir).unwrap();
+    let spec = QuantSpec::recipe(&config, 4, 32);
+    Weights::from_values(config, &HfValues::new(&ckpt).unwrap(), Some(&spec)).unwrap()
+}
+
+#[test]
+fn decode_step_matches_cpu_forward_on_tiny_b() {
+    let Some(_g) = gpu_or_skip("decode_step_matches_cpu_forward_on_tiny_b") else { return };
+    let w = tiny_b_q4();
+    let v = w.config.vocab_size;
+    let be = CudaBackend::new(&w, CudaOptions { max_context: 600 }).unwrap();
+    let mut seq = be.new_cuda_sequence().unwrap();
+    let mut st = State::new(&w.config);
+    let ids: Vec<u32> = (0..520u64).map(|i| ((i * 2654435761 + 17) % v as u64) as u32).collect();
+    let mut errs = Vec::new();
+    let mut argmax_same = 0;
+    let mut checked = 0;
+    let mut fork_at = None;
+    for (t, &id) in ids.iter().enumerate() {
+        let cpu = w.forward(&[id], &mut st, Logits::Last);
+        let gpu = seq.forward_ids(&[id]).unwrap();
+        let e = rel(&gpu, &cpu);
+        errs.push((e, t));
+        let am = |x: &[f32]| x.iter().enumerate().fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0;
+        argmax_same += (am(&gpu) == am(&cpu)) as usize;
+        checked += 1;
+        if t < 4 || t % 64 == 0 {
+            println!("tiny-b step {t}: rel err {e:.2e}");
+        }
+        if t == 100 {
+            fork_at = Some((tern_engine::Sequence::fork(&seq), st.clone()));
+        }
+    }
+    errs.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap());
+    let (worst, p99, median) = (errs[0].0, errs[checked / 100].0, errs[checked / 2].0);
+    println!(
+        "tiny-b: {checked} steps, rel err median {median:.2e} p99 {p99:.2e} worst {worst:.2e} (worst steps {:?}), \
+         argmax agrees {argmax_same}/{checked}",
+        &errs[..4]
+    );
+    // bf16 KV cache: ~1e-3; isolated larger steps are attributed to router near-ties (not yet held equal).
+    assert!(median < 5e-3 && p99 < 2e-2 && worst < 0.15, "CUDA vs CPU logits: median {median} p99 {p99} worst {worst}");
+    assert!(argmax_same * 100 >= checked * 99, "argmax agreement {argmax_same}/{checked}");
+    // the fork continues like the original would have
+    let (mut f, mut fst) = fork_at.unwrap();
+    let id = ids[101];
+    let cpu = w.forward(&[id], &mut fst, Logits::Last);
+    let gpu = f.forward(&[id]).unwrap();
+    let e = rel(&gpu, &cpu);
+    println!("tiny-b fork at 101: rel err {e:.2e}");
+    assert!(e < 3e-2);
+}
