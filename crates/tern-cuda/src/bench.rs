@@ -1,10 +1,12 @@
 //! `tern bench --backend cuda`: decode speed on the GPU beside the bandwidth ceiling, and a per-kernel profile.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use cudarc::driver::sys;
 use tern_model::{Config, LayerKind};
 
-use crate::seq::{CudaOptions, Profile};
+use crate::gpu::Gpu;
+use crate::model::DMixer;
+use crate::seq::{CudaOptions, LState, Profile};
 use crate::CudaBackend;
 
 const BW: f64 = 4.3e12;
@@ -73,5 +75,124 @@ pub fn bench(c: &Config, ctxs: &[usize], repeats: usize) -> Result<()> {
             println!("  {name:<14} {:>5} calls {:>9.1} us {:>5.1}%", n, ms * 1e3, 100.0 * ms / total);
         }
     }
+    kernel_times(&be, &mut seq.st, 32768.min(max_ctx - 1))?;
+    Ok(())
+}
+
+/// Median time of one launch of `f` inside a CUDA graph of `n` back-to-back launches (launch gaps included,
+/// unlike the event profile, whose per-op host round trips inflate small kernels).
+fn graph_time(g: &Gpu, n: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    let s = g.stream.clone();
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let mut r = Ok(());
+    for _ in 0..n {
+        r = f();
+        if r.is_err() {
+            break;
+        }
+    }
+    let graph = s.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+    r?;
+    let graph = graph?.context("empty graph")?;
+    graph.launch()?;
+    let fl = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut t = Vec::new();
+    for _ in 0..5 {
+        let a = g.stream.record_event(fl)?;
+        graph.launch()?;
+        let b = g.stream.record_event(fl)?;
+        t.push(a.elapsed_ms(&b)? as f64 * 1e3 / n as f64);
+    }
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok(t[t.len() / 2])
+}
+
+/// Graph-timed cost of each kernel family (one layer of each kind) at context `ctx`, with bytes moved and TB/s.
+fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) -> Result<()> {
+    let m = &be.model;
+    let (g, c) = (&*m.gpu, &m.config);
+    let eps = c.rms_norm_eps;
+    let (k, e) = (c.num_experts_per_tok, c.num_experts);
+    let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
+    let n = 50;
+    st.set_len(g, ctx)?;
+    println!("graph-timed kernels ({n} back-to-back launches each, ctx {ctx}):");
+    let show = |name: &str, us: f64, bytes: usize| {
+        println!("  {name:<16} {us:>8.2} us {:>8.2} MB {:>6.2} TB/s", bytes as f64 / 1e6, bytes as f64 / us / 1e6);
+    };
+    let gi = c.layer_types.iter().position(|t| *t == LayerKind::Linear);
+    let ai = c.layer_types.iter().position(|t| *t == LayerKind::Full);
+    let q4 = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 4;
+    let (h, i, is) = (c.hidden_size, sizes.0, sizes.1);
+    if let Some(li) = gi {
+        let l = &m.layers[li];
+        if let (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) =
+            (&l.mixer, &mut st.layers[li])
+        {
+            let dims = (
+                c.linear_num_key_heads,
+                c.linear_num_value_heads,
+                c.linear_key_head_dim,
+                c.linear_value_head_dim,
+                c.linear_conv_kernel_dim,
+            );
+            let t = graph_time(g, n, &mut || g.gemv(proj, &st.x, Some(&l.in_norm), None, eps, &mut st.proj, 0, false))?;
+            show("gdn_in_proj", t, proj.bytes());
+            let t = graph_time(g, n, &mut || {
+                g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, dims)
+            })?;
+            show("gdn_core", t, 2 * s.len() * 4);
+            let (zoff, hd) = (c.linear_conv_dim(), c.linear_value_head_dim);
+            let t = graph_time(g, n, &mut || {
+                g.gemv(out, &st.o, Some(norm), Some((&st.proj, zoff, hd)), eps, &mut st.x, 0, true)
+            })?;
+            show("gdn_out_proj", t, out.bytes());
+        }
+        let t = graph_time(g, n, &mut || {
+            g.router_topk(
+                &l.router,
+                &st.x,
+                &l.post_norm,
+                eps,
+                k,
+                &mut st.router,
+                &mut st.counter,
+                &mut st.idx,
+                &mut st.wts,
+            )
+        })?;
+        show("moe_router_topk", t, l.router.bytes());
+        let t = graph_time(g, n, &mut || {
+            g.moe_gate_up(&l.gate_up, e, &st.idx, k, sizes, &st.x, &l.post_norm, eps, &mut st.act)
+        })?;
+        show("moe_gate_up", t, k * q4(2 * i, h) + q4(2 * is, h));
+        let t = graph_time(g, n, &mut || g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x))?;
+        show("moe_down", t, k * q4(h, i) + q4(h, is));
+    }
+    if let Some(li) = ai {
+        let l = &m.layers[li];
+        if let (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) = (&l.mixer, &mut st.layers[li]) {
+            let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+            let t = graph_time(g, n, &mut || g.gemv(qkv, &st.x, Some(&l.in_norm), None, eps, &mut st.proj, 0, false))?;
+            show("attn_qkv", t, qkv.bytes());
+            let theta = c.rope_theta as f32;
+            let t = graph_time(g, n, &mut || {
+                g.attn_prep(&st.proj, qn, kn, &st.pos, (nh, nkv, hd, c.rotary_dim), theta, eps, &mut st.qbuf, kc, vc)
+            })?;
+            show("attn_prep", t, 0);
+            let ns = st.nsplit;
+            let t =
+                graph_time(g, n, &mut || g.attn_decode(&st.qbuf, kc, vc, &st.pos, (nh, nkv, hd), ns, &mut st.part))?;
+            show("attn_decode", t, (ctx + 1) * nkv * hd * 4);
+            let t = graph_time(g, n, &mut || g.attn_combine(&st.part, &st.proj, nh, hd, ns, &mut st.o))?;
+            show("attn_combine", t, 0);
+            let t = graph_time(g, n, &mut || g.gemv(o, &st.o, None, None, eps, &mut st.x, 0, true))?;
+            show("attn_o_proj", t, o.bytes());
+        }
+    }
+    let t = graph_time(g, n, &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), None, eps, &mut st.logits, 0, false))?;
+    show("lm_head", t, m.lm_head.bytes());
+    let t = graph_time(g, n, &mut || g.embed(&m.embed, &st.tok, &mut st.x))?;
+    show("embed", t, 0);
     Ok(())
 }

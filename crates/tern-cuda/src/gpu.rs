@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
     ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
@@ -56,12 +56,94 @@ macro_rules! funcs {
 }
 
 funcs! {
-    gemv_q4: "gemv", gemv_q8: "gemv",
-    moe_topk: "moe", moe_gate_up: "moe", moe_down: "moe",
+    gemv_q4: "gemv", gemv_q8: "gemv", gemv_q4_r1: "gemv", gemv_q8_r1: "gemv", gemv_q4_magic: "gemv",
+    router_topk_q8: "gemv", moe_topk: "moe", moe_gate_up: "moe", moe_down: "moe",
     gdn_step: "gdn",
     attn_prep: "attention", attn_decode: "attention", attn_combine: "attention",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
+}
+
+/// A kernel argument as the 8-byte word the launch passes a pointer to (little-endian: 4-byte arguments are the
+/// low half).
+pub trait KArg {
+    fn word(&self, s: &CudaStream) -> u64;
+}
+impl<T> KArg for CudaSlice<T> {
+    fn word(&self, s: &CudaStream) -> u64 {
+        self.device_ptr(s).0
+    }
+}
+impl<T> KArg for CudaView<'_, T> {
+    fn word(&self, s: &CudaStream) -> u64 {
+        self.device_ptr(s).0
+    }
+}
+impl KArg for i32 {
+    fn word(&self, _: &CudaStream) -> u64 {
+        *self as u32 as u64
+    }
+}
+impl KArg for i64 {
+    fn word(&self, _: &CudaStream) -> u64 {
+        *self as u64
+    }
+}
+impl KArg for u64 {
+    fn word(&self, _: &CudaStream) -> u64 {
+        *self
+    }
+}
+impl KArg for f32 {
+    fn word(&self, _: &CudaStream) -> u64 {
+        self.to_bits() as u64
+    }
+}
+
+/// A kernel launch through `cuLaunchKernelEx` with programmatic stream serialization (programmatic dependent
+/// launch, also inside CUDA graphs): the kernel's blocks may start before the previous kernel ends and must call
+/// `pdl_wait()` (common.cuh) before reading anything that kernel writes. `TERN_NO_PDL=1` turns the attribute off.
+pub struct KLaunch<'a> {
+    gpu: &'a Gpu,
+    func: &'a CudaFunction,
+    words: Vec<u64>,
+}
+
+impl KLaunch<'_> {
+    pub fn arg<A: KArg + ?Sized>(&mut self, a: &A) -> &mut Self {
+        self.words.push(a.word(&self.gpu.stream));
+        self
+    }
+
+    /// # Safety
+    /// The arguments pushed must match the kernel's parameter list in number and type, and every buffer must
+    /// hold what the kernel reads and writes for this configuration.
+    pub unsafe fn launch(&mut self, c: LaunchConfig) -> Result<()> {
+        self.gpu.ctx.bind_to_thread()?;
+        let mut ptrs: Vec<*mut std::ffi::c_void> =
+            self.words.iter_mut().map(|w| w as *mut u64 as *mut std::ffi::c_void).collect();
+        // SAFETY: an all-zero launch attribute is valid; id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: c.grid_dim.0,
+            gridDimY: c.grid_dim.1,
+            gridDimZ: c.grid_dim.2,
+            blockDimX: c.block_dim.0,
+            blockDimY: c.block_dim.1,
+            blockDimZ: c.block_dim.2,
+            sharedMemBytes: c.shared_mem_bytes,
+            hStream: self.gpu.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.gpu.pdl as u32,
+        };
+        // SAFETY: cfg, attr and the argument words outlive the call, which copies them; the caller vouches for
+        // the argument list (see above).
+        unsafe { sys::cuLaunchKernelEx(&cfg, self.func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()?;
+        Ok(())
+    }
 }
 
 /// One GPU: context, the stream every kernel runs on, and the kernels.
@@ -70,6 +152,10 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub f: Funcs,
     pub sms: u32,
+    /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
+    pub pdl: bool,
+    /// Large 4-bit GEMVs with the magic-number decode instead of the denormal one (`TERN_GEMV_MAGIC=1`; A/B).
+    pub gemv_magic: bool,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -86,8 +172,16 @@ fn cfg(grid: (u32, u32), block: u32, smem: usize) -> LaunchConfig {
     }
 }
 
-fn padded_len(n: usize) -> usize {
-    n + (n >> 5) + 1
+/// Length of a shared-memory vector of `n` floats padded by 4 every 32 (`padx_len` in common.cuh).
+fn padx_len(n: usize) -> usize {
+    n + (n >> 5) * 4 + 4
+}
+
+/// log2(gs / (128 / bits)): 16-byte chunks per quantisation group, which must be a power of two.
+fn group_shift(gs: usize, bits: u32) -> Result<i32> {
+    let cpv = 128 / bits as usize;
+    ensure!(gs % cpv == 0 && (gs / cpv).is_power_of_two(), "group size {gs} is not a power-of-two multiple of {cpv}");
+    Ok((gs / cpv).trailing_zeros() as i32)
 }
 
 /// The null device pointer for optional kernel arguments.
@@ -117,7 +211,14 @@ impl Gpu {
         }
         let f = Funcs::load(&modules)?;
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        Ok(Arc::new(Gpu { ctx, stream, f, sms, _modules: modules.into_iter().map(|m| m.1).collect() }))
+        let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
+        let gemv_magic = std::env::var_os("TERN_GEMV_MAGIC").is_some_and(|v| v == "1");
+        Ok(Arc::new(Gpu { ctx, stream, f, sms, pdl, gemv_magic, _modules: modules.into_iter().map(|m| m.1).collect() }))
+    }
+
+    /// A launch of `func` (see [`KLaunch`]).
+    pub fn launcher<'a>(&'a self, func: &'a CudaFunction) -> KLaunch<'a> {
+        KLaunch { gpu: self, func, words: Vec::with_capacity(16) }
     }
 
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
@@ -132,8 +233,11 @@ impl Gpu {
         Ok(self.stream.clone_dtoh(s)?)
     }
 
-    fn grid_for_rows(&self, rows: usize) -> u32 {
-        (rows.div_ceil(8) as u32).min(self.sms * BLOCKS_PER_SM)
+    /// Blocks for `tiles` warp-sized work items (8 per block), capped at what stays resident on the chip
+    /// (grid-stride kernels: the per-block prologue then runs once per resident block).
+    fn grid_resident(&self, f: &CudaFunction, tiles: usize, smem: usize) -> u32 {
+        let occ = f.occupancy_max_active_blocks_per_multiprocessor(GEMV_THREADS, smem, None).unwrap_or(BLOCKS_PER_SM);
+        (tiles.div_ceil(8) as u32).min(self.sms * occ.max(1))
     }
 
     /// `y = W xn` (or `y += W xn` when `accumulate`), where xn is `x`, `RMSNorm(x) * gain` (gain given, no z),
@@ -151,12 +255,14 @@ impl Gpu {
         accumulate: bool,
     ) -> Result<()> {
         ensure!(x.len() >= m.cols && y.len() >= y_off + m.rows, "gemv: x {} / y {} too short", x.len(), y.len());
+        ensure!(m.bits == 4 || m.bits == 8, "gemv: {}-bit weights", m.bits);
         ensure!(m.cols * m.bits as usize % 128 == 0 && m.gs % (128 / m.bits as usize) == 0, "gemv: bad layout");
         ensure!(m.cols <= 8192, "gemv: cols {} over the shared-memory budget", m.cols);
         let hd = match z {
             Some((zs, off, h)) => {
                 let ok = h > 0 && gain.is_some_and(|g| g.len() >= h) && zs.len() >= off + m.cols && m.cols % h == 0;
                 ensure!(ok, "gemv: gated norm needs gain[hd], z[off + cols] and cols % hd == 0");
+                ensure!(h % 4 == 0 && (h / 4).is_power_of_two() && h <= 128, "gemv: gated head size {h} unsupported");
                 h as i32
             }
             None => {
@@ -164,11 +270,21 @@ impl Gpu {
                 0
             }
         };
-        let func = if m.bits == 4 { &self.f.gemv_q4 } else { &self.f.gemv_q8 };
-        let c = cfg((self.grid_for_rows(m.rows), 1), GEMV_THREADS, padded_len(m.cols) * 4);
-        let (rows, cols, gs, acc) = (m.rows as i32, m.cols as i32, m.gs as i32, accumulate as i32);
+        // 4 rows per warp when that still gives >= 2 blocks per SM, else 1 row per warp
+        let r4 = m.rows >= 64 * self.sms as usize;
+        let func = match (m.bits, r4) {
+            (4, true) if self.gemv_magic => &self.f.gemv_q4_magic,
+            (4, true) => &self.f.gemv_q4,
+            (4, false) => &self.f.gemv_q4_r1,
+            (_, true) => &self.f.gemv_q8,
+            (_, false) => &self.f.gemv_q8_r1,
+        };
+        let smem = (padx_len(m.cols) + m.cols / 16) * 4;
+        let tiles = if r4 { m.rows.div_ceil(4) } else { m.rows };
+        let c = cfg((self.grid_resident(func, tiles, smem), 1), GEMV_THREADS, smem);
+        let (rows, cols, gs, acc) = (m.rows as i32, m.cols as i32, group_shift(m.gs, m.bits)?, accumulate as i32);
         let yv = y.slice(y_off..);
-        let mut l = self.stream.launch_builder(func);
+        let mut l = self.launcher(func);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gs).arg(x);
         match gain {
             Some(g) => l.arg(g),
@@ -181,7 +297,7 @@ impl Gpu {
         };
         l.arg(&hd).arg(&eps).arg(&yv).arg(&acc);
         // SAFETY: argument list matches gemv_q4/q8 in gemv.cu; every buffer was checked above to hold the
-        // rows/cols the kernel reads and writes; shared memory is sized by padded_len(cols).
+        // rows/cols the kernel reads and writes; shared memory is sized by padx_len(cols) + the chunk sums.
         unsafe { l.launch(c) }?;
         Ok(())
     }
@@ -197,10 +313,53 @@ impl Gpu {
     ) -> Result<()> {
         ensure!(logits.len() > e && e <= 256 && k <= e.min(32) && idx.len() > k && wts.len() > k, "moe_topk: shapes");
         let (ei, ki) = (e as i32, k as i32);
-        let mut l = self.stream.launch_builder(&self.f.moe_topk);
+        let mut l = self.launcher(&self.f.moe_topk);
         l.arg(logits).arg(&ei).arg(&ki).arg(&*idx).arg(&*wts);
         // SAFETY: matches moe_topk in moe.cu; logits hold E+1 values, idx/wts k+1 slots.
         unsafe { l.launch(cfg((1, 1), 32, 0)) }?;
+        Ok(())
+    }
+
+    /// Router GEMV with the top-k fused: `logits = R · RMSNorm(x)*gain` (R 8-bit `[E+1, H]`: router rows then the
+    /// shared-expert gate), then, in the launch's last block, softmax + top-k + renormalise into `idx`/`wts`
+    /// (slot k = shared expert, weight sigmoid(logits[E])). Same result as [`Gpu::gemv`] + [`Gpu::moe_topk`].
+    /// `counter`: one u32, zero before the first call; the kernel leaves it zero.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_topk(
+        &self,
+        m: &QMat,
+        x: &CudaSlice<f32>,
+        gain: &CudaSlice<f32>,
+        eps: f32,
+        k: usize,
+        logits: &mut CudaSlice<f32>,
+        counter: &mut CudaSlice<u32>,
+        idx: &mut CudaSlice<i32>,
+        wts: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let e = m.rows.saturating_sub(1);
+        ensure!(
+            m.bits == 8 && m.rows >= 2 && e <= 256 && k <= e.min(32),
+            "router_topk: {}x{} {}-bit",
+            m.rows,
+            m.cols,
+            m.bits
+        );
+        ensure!(m.cols * 8 % 128 == 0 && m.cols <= 8192 && x.len() >= m.cols && gain.len() >= m.cols, "router_topk: x");
+        ensure!(
+            logits.len() >= m.rows && idx.len() > k && wts.len() > k && !counter.is_empty(),
+            "router_topk: outputs"
+        );
+        let smem = (padx_len(m.cols) + m.cols / 16) * 4;
+        let func = &self.f.router_topk_q8;
+        let c = cfg((self.grid_resident(func, m.rows, smem), 1), GEMV_THREADS, smem);
+        let (rows, cols, gs, ki) = (m.rows as i32, m.cols as i32, group_shift(m.gs, 8)?, k as i32);
+        let mut l = self.launcher(func);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*logits);
+        l.arg(&ki).arg(&*counter).arg(&*idx).arg(&*wts);
+        // SAFETY: matches router_topk_q8 in gemv.cu; buffers checked above (logits E+1, idx/wts k+1 slots); the
+        // counter is only touched by this kernel, which returns it to zero; launches on one stream never overlap.
+        unsafe { l.launch(c) }?;
         Ok(())
     }
 
@@ -221,12 +380,13 @@ impl Gpu {
         let imax = i.max(is);
         ensure!(x.len() >= h && idx.len() > k && act.len() >= (k + 1) * imax, "moe_gate_up: shapes");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up: expert buffer too short");
-        ensure!(h % 32 == 0 && gu.gs % 32 == 0, "moe_gate_up: layout");
+        ensure!(h % 32 == 0 && h <= 8192 && gu.gs % 32 == 0, "moe_gate_up: layout");
         let items = k * i + is;
-        let c = cfg(((items.div_ceil(8) as u32).min(self.sms * BLOCKS_PER_SM), 1), GEMV_THREADS, padded_len(h) * 4);
+        let smem = (padx_len(h) + h / 32) * 4;
+        let c = cfg((self.grid_resident(&self.f.moe_gate_up, items.div_ceil(2), smem), 1), GEMV_THREADS, smem);
         let (words, groups) = (gu.words as i64, gu.groups as i64);
-        let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, gu.gs as i32);
-        let mut l = self.stream.launch_builder(&self.f.moe_gate_up);
+        let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, group_shift(gu.gs, 4)?);
+        let mut l = self.launcher(&self.f.moe_gate_up);
         l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(idx).arg(&ki).arg(&ii).arg(&isi);
         l.arg(&hi).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*act);
         // SAFETY: matches moe_gate_up in moe.cu; idx entries are < n_experts+1 (written by moe_topk), the expert
@@ -251,13 +411,18 @@ impl Gpu {
         let imax = i.max(is);
         ensure!(idx.len() > k && wts.len() > k && act.len() >= (k + 1) * imax, "moe_down: shapes");
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down: expert buffer too short");
-        ensure!(i % 32 == 0 && is % 32 == 0 && (k + 1) * padded_len(imax) * 4 <= 48 * 1024, "moe_down: layout");
-        let c = cfg((self.grid_for_rows(h), 1), GEMV_THREADS, (k + 1) * padded_len(imax) * 4);
+        let smem = (k + 1) * (padx_len(imax) + imax / 32) * 4;
+        ensure!(i % 32 == 0 && is % 32 == 0 && k < 32 && smem <= 48 * 1024, "moe_down: layout");
+        // lanes per output row: the power of two nearest the 16-byte chunks per row (I/32), at most 32
+        let lpr = (imax / 32).next_power_of_two().min(32);
+        let tiles = h.div_ceil(32 / lpr);
+        let c = cfg((self.grid_resident(&self.f.moe_down, tiles, smem), 1), GEMV_THREADS, smem);
         let (words, groups) = (down.words as i64, down.groups as i64);
-        let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, down.gs as i32);
-        let mut l = self.stream.launch_builder(&self.f.moe_down);
+        let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, group_shift(down.gs, 4)?);
+        let lpri = lpr as i32;
+        let mut l = self.launcher(&self.f.moe_down);
         l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(idx).arg(wts).arg(&ki).arg(&ii);
-        l.arg(&isi).arg(&hi).arg(&gs).arg(act).arg(&*x);
+        l.arg(&isi).arg(&hi).arg(&gs).arg(&lpri).arg(act).arg(&*x);
         // SAFETY: matches moe_down in moe.cu; shapes checked above; x has H values, each row written by one warp.
         unsafe { l.launch(c) }?;
         Ok(())
@@ -283,7 +448,7 @@ impl Gpu {
         ensure!(ring.len() >= k * conv_dim && state.len() >= hv * dk * dv && out.len() >= hv * dv, "gdn_step: state");
         ensure!(a_log.len() >= hv && dt_bias.len() >= hv && !pos.is_empty(), "gdn_step: vectors");
         let d = [hk, hv, dk, dv, k].map(|v| v as i32);
-        let mut l = self.stream.launch_builder(&self.f.gdn_step);
+        let mut l = self.launcher(&self.f.gdn_step);
         l.arg(proj).arg(conv_w).arg(&*ring).arg(a_log).arg(dt_bias).arg(&*state).arg(&*out).arg(pos);
         l.arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&d[3]).arg(&d[4]);
         // SAFETY: matches gdn_step in gdn.cu; all buffers checked above; one block per (value head, 32 columns).
@@ -310,7 +475,7 @@ impl Gpu {
         ensure!(proj.len() >= (2 * nh + 2 * nkv) * hd && qn.len() >= hd && kn.len() >= hd, "attn_prep: proj");
         ensure!(qbuf.len() >= nh * hd && kc.len() == vc.len() && kc.len() % (nkv * hd) == 0, "attn_prep: bufs");
         let d = [nh, nkv, hd, rd].map(|v| v as i32);
-        let mut l = self.stream.launch_builder(&self.f.attn_prep);
+        let mut l = self.launcher(&self.f.attn_prep);
         l.arg(proj).arg(qn).arg(kn).arg(pos).arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&d[3]).arg(&theta).arg(&eps);
         l.arg(&*qbuf).arg(&*kc).arg(&*vc);
         // SAFETY: matches attn_prep in attention.cu; the caller keeps *pos below the cache capacity
@@ -330,11 +495,11 @@ impl Gpu {
         nsplit: usize,
         part: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        ensure!(hd <= 256 && nh % nkv == 0 && nh / nkv <= 32 && nsplit >= 1, "attn_decode: dims");
+        ensure!(hd <= 256 && hd % 8 == 0 && nh % nkv == 0 && nh / nkv <= 32 && nsplit >= 1, "attn_decode: dims");
         ensure!(qbuf.len() >= nh * hd && part.len() >= nh * nsplit * (hd + 2), "attn_decode: buffers");
         let scale = 1.0 / (hd as f32).sqrt();
         let d = [nh, nkv, hd].map(|v| v as i32);
-        let mut l = self.stream.launch_builder(&self.f.attn_decode);
+        let mut l = self.launcher(&self.f.attn_decode);
         l.arg(qbuf).arg(kc).arg(vc).arg(pos).arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&scale).arg(&*part);
         // SAFETY: matches attn_decode in attention.cu; keys 0..=*pos are inside the cache (see attn_prep).
         unsafe { l.launch(cfg((nkv as u32, nsplit as u32), 32 * (nh / nkv) as u32, 0)) }?;
@@ -351,21 +516,25 @@ impl Gpu {
         o: &mut CudaSlice<f32>,
     ) -> Result<()> {
         ensure!(
-            nsplit <= 1024 && part.len() >= nh * nsplit * (hd + 2) && proj.len() >= 2 * nh * hd && o.len() >= nh * hd,
+            nsplit <= 1024
+                && hd <= 1024
+                && part.len() >= nh * nsplit * (hd + 2)
+                && proj.len() >= 2 * nh * hd
+                && o.len() >= nh * hd,
             "attn_combine"
         );
         let (ns, hdi) = (nsplit as i32, hd as i32);
-        let mut l = self.stream.launch_builder(&self.f.attn_combine);
+        let mut l = self.launcher(&self.f.attn_combine);
         l.arg(part).arg(proj).arg(&ns).arg(&hdi).arg(&*o);
-        // SAFETY: matches attn_combine in attention.cu; shapes checked above.
-        unsafe { l.launch(cfg((nh as u32, 1), (hd as u32).clamp(32, 256), 0)) }?;
+        // SAFETY: matches attn_combine in attention.cu; shapes checked above; 1024 threads = 1024/hd groups of hd.
+        unsafe { l.launch(cfg((nh as u32, 1), 1024, 0)) }?;
         Ok(())
     }
 
     pub fn embed(&self, m: &QMat, tok: &CudaSlice<i32>, x: &mut CudaSlice<f32>) -> Result<()> {
         ensure!(m.bits == 4 && m.cols % 8 == 0 && x.len() >= m.cols && !tok.is_empty(), "embed: shapes");
         let (cols, gs) = (m.cols as i32, m.gs as i32);
-        let mut l = self.stream.launch_builder(&self.f.embed_q4);
+        let mut l = self.launcher(&self.f.embed_q4);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&cols).arg(&gs).arg(tok).arg(&*x);
         // SAFETY: matches embed_q4 in misc.cu; token ids are checked against the vocabulary on the host or come
         // from argmax over the vocabulary.
@@ -390,11 +559,11 @@ impl Gpu {
         let nb = self.argmax_blocks();
         ensure!(pv.len() >= nb && pi.len() >= nb && !tok.is_empty() && !pos.is_empty(), "argmax: shapes");
         let (n, nbi) = (v.len() as i32, nb as i32);
-        let mut l = self.stream.launch_builder(&self.f.argmax_partial);
+        let mut l = self.launcher(&self.f.argmax_partial);
         l.arg(v).arg(&n).arg(&*pv).arg(&*pi);
         // SAFETY: matches argmax_partial in misc.cu; pv/pi hold one slot per block.
         unsafe { l.launch(cfg((nb as u32, 1), 256, 0)) }?;
-        let mut l = self.stream.launch_builder(&self.f.argmax_final);
+        let mut l = self.launcher(&self.f.argmax_final);
         l.arg(&*pv).arg(&*pi).arg(&nbi).arg(&*tok).arg(&*pos);
         // SAFETY: matches argmax_final in misc.cu; one thread reads nb partials.
         unsafe { l.launch(cfg((1, 1), 32, 0)) }?;
@@ -403,7 +572,7 @@ impl Gpu {
 
     pub fn fill_random_u32(&self, p: &mut CudaSlice<u32>, seed: u64) -> Result<()> {
         let n = p.len() as i64;
-        let mut l = self.stream.launch_builder(&self.f.fill_u32_hash);
+        let mut l = self.launcher(&self.f.fill_u32_hash);
         l.arg(&*p).arg(&n).arg(&seed);
         // SAFETY: writes exactly p.len() elements.
         unsafe { l.launch(cfg((self.sms * 8, 1), 256, 0)) }?;
@@ -412,7 +581,7 @@ impl Gpu {
 
     pub fn fill_bf16(&self, p: &mut CudaSlice<u16>, v: f32) -> Result<()> {
         let n = p.len() as i64;
-        let mut l = self.stream.launch_builder(&self.f.fill_bf16);
+        let mut l = self.launcher(&self.f.fill_bf16);
         l.arg(&*p).arg(&n).arg(&v);
         // SAFETY: writes exactly p.len() bf16 values.
         unsafe { l.launch(cfg((self.sms * 8, 1), 256, 0)) }?;
@@ -421,7 +590,7 @@ impl Gpu {
 
     pub fn fill_uniform(&self, p: &mut CudaSlice<f32>, seed: u64, lo: f32, hi: f32) -> Result<()> {
         let n = p.len() as i64;
-        let mut l = self.stream.launch_builder(&self.f.fill_f32_uniform);
+        let mut l = self.launcher(&self.f.fill_f32_uniform);
         l.arg(&*p).arg(&n).arg(&seed).arg(&lo).arg(&hi);
         // SAFETY: writes exactly p.len() f32 values.
         unsafe { l.launch(cfg((self.sms * 8, 1), 256, 0)) }?;

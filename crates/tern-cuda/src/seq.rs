@@ -35,7 +35,12 @@ pub struct DeviceState {
     pub logits: CudaSlice<f32>,
     pub apv: CudaSlice<f32>,
     pub api: CudaSlice<i32>,
+    /// Completion counter of the fused router + top-k kernel (zero between launches).
+    pub counter: CudaSlice<u32>,
     pub layers: Vec<LState>,
+    /// Test hook: when set (before the first step, which captures the graph), every step copies each layer's
+    /// `idx` (the k routed experts + the shared one) here, `[layers, k + 1]`.
+    pub route_log: Option<CudaSlice<i32>>,
     graph: Option<CudaGraph>,
 }
 
@@ -80,7 +85,9 @@ impl DeviceState {
                 }
             }
         }
-        let nsplit = (max_ctx / 256).clamp(1, 128);
+        // flash-decoding splits: ~4 blocks per SM at long context (2 kv heads); short contexts use fewer
+        // (the kernel puts at least 32 keys in a split and leaves the rest empty)
+        let nsplit = (max_ctx / 128).clamp(1, 256);
         let k = c.num_experts_per_tok;
         let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
         let nb = g.argmax_blocks();
@@ -102,7 +109,9 @@ impl DeviceState {
             logits: g.zeros(c.vocab_size)?,
             apv: g.zeros(nb)?,
             api: g.zeros(nb)?,
+            counter: g.zeros(1)?,
             layers,
+            route_log: None,
             graph: None,
         })
     }
@@ -138,7 +147,9 @@ impl DeviceState {
             logits: cl(&self.logits)?,
             apv: cl(&self.apv)?,
             api: g.stream.clone_dtod(&self.api)?,
+            counter: g.zeros(1)?,
             layers,
+            route_log: None,
             graph: None,
         })
     }
@@ -164,8 +175,9 @@ impl DeviceState {
         };
         timed("embed", &mut || g.embed(&m.embed, &st.tok, &mut st.x))?;
         let (k, e) = (c.num_experts_per_tok, c.num_experts);
+        ensure!(m.layers.iter().all(|l| l.router.rows == e + 1), "router rows != num_experts + 1");
         let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
-        for (l, ls) in m.layers.iter().zip(st.layers.iter_mut()) {
+        for (li, (l, ls)) in m.layers.iter().zip(st.layers.iter_mut()).enumerate() {
             match (&l.mixer, ls) {
                 (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) => {
                     let dims = (
@@ -214,10 +226,22 @@ impl DeviceState {
                 }
                 _ => unreachable!("state follows the model's layer kinds"),
             }
-            timed("moe_router", &mut || {
-                g.gemv(&l.router, &st.x, Some(&l.post_norm), None, eps, &mut st.router, 0, false)
+            timed("moe_router_topk", &mut || {
+                g.router_topk(
+                    &l.router,
+                    &st.x,
+                    &l.post_norm,
+                    eps,
+                    k,
+                    &mut st.router,
+                    &mut st.counter,
+                    &mut st.idx,
+                    &mut st.wts,
+                )
             })?;
-            timed("moe_topk", &mut || g.moe_topk(&st.router, e, k, &mut st.idx, &mut st.wts))?;
+            if let Some(log) = st.route_log.as_mut() {
+                g.stream.memcpy_dtod(&st.idx.slice(..k + 1), &mut log.slice_mut(li * (k + 1)..(li + 1) * (k + 1)))?;
+            }
             timed("moe_gate_up", &mut || {
                 g.moe_gate_up(&l.gate_up, e, &st.idx, k, sizes, &st.x, &l.post_norm, eps, &mut st.act)
             })?;

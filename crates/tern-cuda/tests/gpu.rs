@@ -110,14 +110,21 @@ fn decode_step_matches_cpu_forward_on_tiny_b() {
     let be = CudaBackend::new(&w, CudaOptions { max_context: 600 }).unwrap();
     let mut seq = be.new_cuda_sequence().unwrap();
     let mut st = State::new(&w.config);
+    // Expert choices held equal: the CPU takes the GPU's routing of every layer and step (near-tied router
+    // scores would otherwise flip choices between the backends; tests/kernels.rs counts those flips).
+    let k = w.config.num_experts_per_tok;
+    seq.st.route_log = Some(be.model.gpu.zeros::<i32>(w.config.num_layers() * (k + 1)).unwrap());
     let ids: Vec<u32> = (0..520u64).map(|i| ((i * 2654435761 + 17) % v as u64) as u32).collect();
     let mut errs = Vec::new();
     let mut argmax_same = 0;
     let mut checked = 0;
     let mut fork_at = None;
     for (t, &id) in ids.iter().enumerate() {
-        let cpu = w.forward(&[id], &mut st, Logits::Last);
         let gpu = seq.forward_ids(&[id]).unwrap();
+        let log = be.model.gpu.download(seq.st.route_log.as_ref().unwrap()).unwrap();
+        st.routing.force =
+            Some(log.chunks_exact(k + 1).map(|r| r[..k].iter().map(|&e| e as usize).collect()).collect());
+        let cpu = w.forward(&[id], &mut st, Logits::Last);
         let e = rel(&gpu, &cpu);
         errs.push((e, t));
         let am = |x: &[f32]| x.iter().enumerate().fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0;
@@ -137,8 +144,8 @@ fn decode_step_matches_cpu_forward_on_tiny_b() {
          argmax agrees {argmax_same}/{checked}",
         &errs[..4]
     );
-    // bf16 KV cache: ~1e-3; isolated larger steps are attributed to router near-ties (not yet held equal).
-    assert!(median < 5e-3 && p99 < 2e-2 && worst < 0.15, "CUDA vs CPU logits: median {median} p99 {p99} worst {worst}");
+    // bf16 KV cache: ~1e-3, with routing held equal.
+    assert!(median < 5e-3 && p99 < 2e-2 && worst < 3e-2, "CUDA vs CPU logits: median {median} p99 {p99} worst {worst}");
     assert!(argmax_same * 100 >= checked * 99, "argmax agreement {argmax_same}/{checked}");
     // the fork continues like the original would have
     let (mut f, mut fst) = fork_at.unwrap();

@@ -7,6 +7,22 @@
 
 #define FULL_MASK 0xffffffffu
 
+// Programmatic dependent launch: every kernel is launched with programmatic stream serialization (gpu.rs), so
+// its blocks may start while the previous kernel is still running. Code before pdl_wait() may only read data
+// that no kernel of the last two launches writes (weights, constants, state of this layer from the previous
+// token); pdl_wait() returns once the previous kernel has completed (hence all earlier ones), then lets the
+// next kernel launch. Without the launch attribute both instructions are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Prefetch `bytes` (a multiple of 128) starting at p into L2, spread over a warp's lanes.
+__device__ __forceinline__ void prefetch_l2(const void* p, long bytes, int lane) {
+    for (long o = (long)lane * 128; o < bytes; o += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(p) + o));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
@@ -35,54 +51,239 @@ __device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); 
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-// Index of column c in a shared-memory vector padded by one float every 32 (conflict-free strided reads).
-__device__ __forceinline__ int padi(int c) { return c + (c >> 5); }
-__host__ __device__ __forceinline__ int padded_len(int n) { return n + (n >> 5) + 1; }
+// Index of column c in a shared-memory vector padded by 4 floats every 32: lanes reading 16-byte vectors at a
+// stride of 32 (4-bit chunks) or 16 (8-bit chunks) floats hit distinct banks.
+__device__ __forceinline__ int padx(int c) { return c + ((c >> 5) << 2); }
+__host__ __device__ __forceinline__ int padx_len(int n) { return n + ((n >> 5) << 2) + 4; }
 
-// Code k (0-based) of a packed word as an exact float, via the 2^23 magic-number trick (no int->float convert).
-template <int BITS>
-__device__ __forceinline__ float code(uint32_t w, int k) {
-    constexpr uint32_t MASK = (1u << BITS) - 1u;
-    return __uint_as_float(0x4B000000u | ((w >> (BITS * k)) & MASK)) - 8388608.f;
+// Streamed weights: read-only path, no L1 allocation (each byte is used once per step).
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
 }
 
-// Dot of one 16-byte chunk of packed codes with the matching x values (padded smem), affine-corrected:
-// returns scale * sum(q*x) + bias * sum(x) over the 128/BITS columns starting at `col0`.
-template <int BITS>
-__device__ __forceinline__ float qdot16(uint4 wv, const float* xs, int col0, float scale, float bias) {
-    constexpr int PER = 32 / BITS;  // codes per word
-    uint32_t w[4] = {wv.x, wv.y, wv.z, wv.w};
-    float qx = 0.f, sx = 0.f;
+// (bits | 2^23 as float) - 2^23: the exact value of a code field already in mantissa bits 0..22.
+__device__ __forceinline__ float mag(uint32_t bits) { return __uint_as_float(bits | 0x4B000000u) - 8388608.f; }
+
+// mag(w & MASK) with the mask and the magic exponent merged into one LOP3 ((a & b) | c = LUT 0xEA); the
+// compiler otherwise emitted two logic ops per code (SASS of gemv_q4: ~2 LOP3 per weight).
+template <uint32_t MASK>
+__device__ __forceinline__ float magm(uint32_t w) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(MASK), "r"(0x4B000000u));
+    return __uint_as_float(r) - 8388608.f;
+}
+
+// Denormal decode (DN): a masked field read as a float with exponent 0 is exactly field * 2^-149 (no implicit
+// one, so no magic offset to subtract): one LOP3 (AND) + one FFMA per weight. x is staged pre-scaled by
+// DN_XSCALE = 2^90 so the products stay normal; the per-chunk result is rescaled by 2^(149-90) (exact). Needs
+// denormals honoured (no -ftz / fast-math), which is nvcc's default.
+#define DN_XSCALE 1.2379400392853803e27f    // 2^90
+#define DN_UNSCALE 5.764607523034235e17f    // 2^59
+template <bool DN, uint32_t MASK>
+__device__ __forceinline__ float cv(uint32_t w) {
+    if (DN) return __uint_as_float(w & MASK);
+    return magm<MASK>(w);
+}
+
+// Dot of one 16-byte chunk of packed codes of R rows with the matching x values (registers), affine-corrected:
+// tot[r] += scale[r] * sum(q*x) + bias[r] * xsum. Codes are extracted in place (mask + magic number: one LOP3
+// and one FADD per code, one shift per 32-bit word; a field must end at or below bit 22, hence the shifted upper
+// half-word); a field at bit offset 4j (8j) is 16^j (256^j) times the code, so fields accumulate in per-offset
+// buckets rescaled exactly by a power of two at the end of the chunk. With DN (default) the magic number is
+// replaced by the denormal decode above (x must then be staged times DN_XSCALE; xsum stays unscaled).
+// 4-bit: 32 columns per chunk, 8-bit: 16.
+template <int BITS, int R, bool DN = true>
+__device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const float* __restrict__ xp, const float (&sc)[R],
+                                          const float (&bs)[R], float xsum, float (&tot)[R]) {
+    float acc[R][4];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
+        if (BITS == 4) {
+            const float4 xa = *reinterpret_cast<const float4*>(xp + 8 * j);
+            const float4 xb = *reinterpret_cast<const float4*>(xp + 8 * j + 4);
 #pragma unroll
-        for (int k = 0; k < PER; k++) {
-            float xv = xs[padi(col0 + j * PER + k)];
-            qx = fmaf(code<BITS>(w[j], k), xv, qx);
-            sx += xv;
+            for (int r = 0; r < R; r++) {
+                const uint32_t w = j == 0 ? wv[r].x : j == 1 ? wv[r].y : j == 2 ? wv[r].z : wv[r].w;
+                const uint32_t h = w >> 16;
+                acc[r][0] = fmaf(cv<DN, 0xFu>(w), xa.x, acc[r][0]);
+                acc[r][1] = fmaf(cv<DN, 0xF0u>(w), xa.y, acc[r][1]);
+                acc[r][2] = fmaf(cv<DN, 0xF00u>(w), xa.z, acc[r][2]);
+                acc[r][3] = fmaf(cv<DN, 0xF000u>(w), xa.w, acc[r][3]);
+                acc[r][0] = fmaf(cv<DN, 0xFu>(h), xb.x, acc[r][0]);
+                acc[r][1] = fmaf(cv<DN, 0xF0u>(h), xb.y, acc[r][1]);
+                acc[r][2] = fmaf(cv<DN, 0xF00u>(h), xb.z, acc[r][2]);
+                acc[r][3] = fmaf(cv<DN, 0xF000u>(h), xb.w, acc[r][3]);
+            }
+        } else {
+            const float4 xa = *reinterpret_cast<const float4*>(xp + 4 * j);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const uint32_t w = j == 0 ? wv[r].x : j == 1 ? wv[r].y : j == 2 ? wv[r].z : wv[r].w;
+                const uint32_t h = w >> 16;  // byte 2 would touch bit 23 (the exponent) in place
+                acc[r][0] = fmaf(cv<DN, 0xFFu>(w), xa.x, acc[r][0]);
+                acc[r][1] = fmaf(cv<DN, 0xFF00u>(w), xa.y, acc[r][1]);
+                acc[r][2] = fmaf(cv<DN, 0xFFu>(h), xa.z, acc[r][2]);
+                acc[r][3] = fmaf(cv<DN, 0xFF00u>(h), xa.w, acc[r][3]);
+            }
         }
     }
-    return fmaf(scale, qx, bias * sx);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float q = BITS == 4 ? acc[r][0] + acc[r][1] * 0.0625f + acc[r][2] * (1.f / 256.f) + acc[r][3] * (1.f / 4096.f)
+                            : (acc[r][0] + acc[r][2]) + (acc[r][1] + acc[r][3]) * (1.f / 256.f);
+        if (DN) q *= DN_UNSCALE;
+        tot[r] = fmaf(sc[r], q, fmaf(bs[r], xsum, tot[r]));
+    }
 }
 
-// One warp: scale/bias-corrected dot of row `r` of a quantised [rows, cols] matrix with padded smem x.
-// Requires cols*BITS/32 to be a multiple of 4 (16-byte rows) and gs a multiple of 128/BITS.
-template <int BITS>
-__device__ __forceinline__ float warp_row_dot(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
-                                              const __nv_bfloat16* __restrict__ b, long r, int cols, int gs,
-                                              const float* xs, int lane) {
-    constexpr int COLS_PER_VEC = 128 / BITS;
-    const int nvec = cols / COLS_PER_VEC;
-    const uint4* row = reinterpret_cast<const uint4*>(w + r * (long)(cols * BITS / 32));
-    const int ngroups = cols / gs;
-    const __nv_bfloat16* srow = s + r * ngroups;
-    const __nv_bfloat16* brow = b + r * ngroups;
-    float acc = 0.f;
-    for (int u = lane; u < nvec; u += 32) {
-        uint4 wv = __ldg(row + u);
-        int col0 = u * COLS_PER_VEC;
-        int g = col0 / gs;
-        acc += qdot16<BITS>(wv, xs, col0, bf(srow[g]), bf(brow[g]));
+// One warp: partial dots (per lane; caller reduces) of R quantised rows with padded smem x. Row r's 16-byte
+// chunks start at wr[r], its bf16 scales/biases at sr[r]/br[r]; chunk u uses group u >> gshift. Lanes take
+// chunks lane, lane+32, ...; U chunks per row are loaded (R*U independent 16-byte loads) before any is used.
+// cs[u]: sum of x over chunk u.
+template <int BITS, int R, int U, bool DN = true>
+__device__ __forceinline__ void warp_rows_dot(const uint4* const (&wr)[R], const __nv_bfloat16* const (&sr)[R],
+                                              const __nv_bfloat16* const (&br)[R], int nvec, int gshift,
+                                              const float* xs, const float* cs, int lane, float (&tot)[R]) {
+    constexpr int CPV = 128 / BITS;
+    for (int u0 = lane; u0 < nvec; u0 += 32 * U) {
+        uint4 wv[U][R];
+        float sc[U][R], bs[U][R];
+#pragma unroll
+        for (int a = 0; a < U; a++) {
+            const int u = min(u0 + 32 * a, nvec - 1);  // clamped: a valid address, result discarded below
+            const int g = u >> gshift;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                wv[a][r] = ldg_stream(wr[r] + u);
+                sc[a][r] = bf(sr[r][g]);
+                bs[a][r] = bf(br[r][g]);
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < U; a++) {
+            const int u = u0 + 32 * a;
+            if (u < nvec) chunk_dot<BITS, R, DN>(wv[a], xs + padx(u * CPV), sc[a], bs[a], cs[u], tot);
+        }
     }
-    return warp_sum(acc);
 }
+
+// Prologue of the GEMV-like kernels (blockDim.x == 256, cols % 4 == 0, cols <= 8192): stages xn * xscale into
+// padded smem `xs` (xscale = DN_XSCALE for the denormal decode, 1 for the magic-number one) and the sums of xn over chunks of `cpv` columns into `cs`, where xn is
+//   x                                      (gain == nullptr),
+//   RMSNorm(x) * gain                      (gain given, z == nullptr),
+//   RMSNorm(x_h) * gain[j] * silu(z) per head of hd columns (gain and z given; hd/4 a power of two <= 32).
+// Each thread loads its float4s of x (and z) up front (one round trip), norms reduce in registers/shuffles, chunk
+// sums by shuffles over the cpv/4 threads that own a chunk; ends with one barrier.
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, const float* __restrict__ gain,
+                                        const float* __restrict__ z, int hd, float eps, int cols, int cpv,
+                                        float* xs, float* cs, float* red, float xscale = DN_XSCALE) {
+    constexpr int NV = 8;  // float4s per thread: 8 * 4 * 256 = 8192 columns
+    const int tid = threadIdx.x, n4 = cols >> 2;
+    float4 v[NV], zv[NV];
+#pragma unroll
+    for (int j = 0; j < NV; j++) {
+        const int c4 = tid + 256 * j;
+        v[j] = c4 < n4 ? reinterpret_cast<const float4*>(x)[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (z != nullptr && c4 < n4) {
+            const float* zp = z + 4 * c4;  // z may be only 4-byte aligned (offset view)
+            zv[j] = make_float4(zp[0], zp[1], zp[2], zp[3]);
+        }
+    }
+    if (gain != nullptr && z == nullptr) {
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < NV; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        const float r = rsqrtf(block_sum(ss, red) / cols + eps);
+#pragma unroll
+        for (int j = 0; j < NV; j++) {
+            const int c4 = tid + 256 * j;
+            if (c4 < n4) {
+                const float4 g = reinterpret_cast<const float4*>(gain)[c4];
+                v[j] = make_float4(v[j].x * r * g.x, v[j].y * r * g.y, v[j].z * r * g.z, v[j].w * r * g.w);
+            }
+        }
+    } else if (z != nullptr) {
+        const int tph = hd >> 2;  // threads per head (consecutive lanes of one warp)
+#pragma unroll
+        for (int j = 0; j < NV; j++) {
+            float ss = v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+            for (int o = tph >> 1; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+            const int c4 = tid + 256 * j;
+            if (c4 < n4) {
+                const float r = rsqrtf(ss / hd + eps);
+                const int jj = (4 * c4) % hd;
+                const float g0 = gain[jj], g1 = gain[jj + 1], g2 = gain[jj + 2], g3 = gain[jj + 3];
+                v[j] = make_float4(v[j].x * r * g0 * silu_f(zv[j].x), v[j].y * r * g1 * silu_f(zv[j].y),
+                                   v[j].z * r * g2 * silu_f(zv[j].z), v[j].w * r * g3 * silu_f(zv[j].w));
+            }
+        }
+    }
+    const int tpc = cpv >> 2;  // threads per chunk
+#pragma unroll
+    for (int j = 0; j < NV; j++) {
+        const int c4 = tid + 256 * j;
+        float t = v[j].x + v[j].y + v[j].z + v[j].w;
+        for (int o = tpc >> 1; o > 0; o >>= 1) t += __shfl_xor_sync(FULL_MASK, t, o);
+        if (c4 < n4) {
+            *reinterpret_cast<float4*>(xs + padx(4 * c4)) =
+                make_float4(v[j].x * xscale, v[j].y * xscale, v[j].z * xscale, v[j].w * xscale);
+            if ((c4 & (tpc - 1)) == 0) cs[c4 / tpc] = t;
+        }
+    }
+    __syncthreads();
+}
+
+// Router tail, one warp: softmax over E logits, top-k (ties -> lower index), renormalise; slot k = shared expert
+// (index E) with weight sigmoid(logits[E]). Logits are read through L2 (__ldcg): they may have been written by
+// other blocks of the same launch (fused router GEMV tail).
+__device__ __forceinline__ void topk_warp(const float* logits, int E, int k, int* __restrict__ idx,
+                                          float* __restrict__ wts) {
+    // one warp; lane holds experts lane + 32*j (E <= 256); k rounds of warp argmax, no block barriers
+    const int lane = threadIdx.x & 31;
+    float p[8];
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int e = lane + 32 * j;
+        p[j] = e < E ? __ldcg(logits + e) : -INFINITY;
+        m = fmaxf(m, p[j]);
+    }
+    m = warp_max(m);
+#pragma unroll
+    for (int j = 0; j < 8; j++) p[j] = lane + 32 * j < E ? expf(p[j] - m) : -1.f;
+    float total = 0.f, mine = 0.f;
+    int mine_i = 0;
+    for (int sel = 0; sel < k; sel++) {
+        float bv = -1.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (p[j] > bv) { bv = p[j]; bi = lane + 32 * j; }  // ascending index: ties keep the lower
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (lane + 32 * j == bi) p[j] = -2.f;  // taken
+        total += bv;
+        if (lane == sel) { mine = bv; mine_i = bi; }
+    }
+    if (lane < k) {
+        idx[lane] = mine_i;
+        wts[lane] = mine / total;
+    }
+    if (lane == 0) {
+        idx[k] = E;
+        wts[k] = sigmoid_f(__ldcg(logits + E));
+    }
+}
+

@@ -4,7 +4,8 @@
 // head h (key head h / (Hv/Hk)) with f32 state S [Hv, dk, dv]:
 //   S <- decay*S;  m = S^T k;  S <- S + k (beta (v - m))^T;  o = S^T q
 // The gated RMSNorm of o is fused into the out_proj GEMV prologue (gemv.cu).
-// Grid (Hv, ceil(dv/32)), 128 threads: warp w owns state rows i = w, w+4, ..., lane = value column (registers).
+// Grid (Hv, ceil(dv/32)), 128 threads: warp w owns state rows i = w, w+4, ..., lane = value column (registers);
+// the state loads are issued first (they do not depend on the step's inputs) and overlap the conv/norm chain.
 // Inputs: proj = [conv_dim (q|k|v) | value_dim (z) | Hv (b) | Hv (a)] f32; conv_w [conv_dim, K] f32;
 // ring [K, conv_dim] f32 (slot p % K holds the pre-conv input of position p); pos: device position counter.
 // Bytes per call: state 2 * Hv*dk*dv*4 (read+write) + ~(K+1)*conv_dim*4. FLOPs ~ 6*Hv*dk*dv.
@@ -24,6 +25,17 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     const int pos = *pos_ptr;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, Vd = Hv * dv;
     const int kh = h / (Hv / Hk);
+    const int col = chunk * 32 + lane;
+    const bool active = col < dv;
+    // The state does not depend on this step's inputs: issue its loads first so they overlap the conv/norm chain.
+    float* S = state + (long)h * dk * dv;
+    float sreg[MAXR];
+#pragma unroll
+    for (int r = 0; r < MAXR; r++) {
+        int i = warp + 4 * r;
+        sreg[r] = (i < dk && active) ? S[i * dv + col] : 0.f;
+    }
+    pdl_wait();  // proj comes from the previous kernel; the state is this layer's, from the previous token
     const int cur = pos % K;
     // conv + SiLU of one channel; writes the ring slot of this position when `write`
     auto conv = [&](int ch, bool write) {
@@ -45,24 +57,17 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
         qs[tid] = q * rsqrtf(sq + 1e-6f) * rsqrtf((float)dk);
         ks[tid] = k * rsqrtf(sk + 1e-6f);
     }
-    const int col = chunk * 32 + lane;
-    const bool active = col < dv;
     float v = 0.f;
     if (active) v = conv(2 * Kd + h * dv + col, warp == 0);  // each v channel belongs to one block; warp 0 writes
     __syncthreads();
     const float beta = sigmoid_f(proj[conv_dim + Vd + h]);
     const float decay = expf(-expf(a_log[h]) * softplus_f(proj[conv_dim + Vd + Hv + h] + dt_bias[h]));
-    float* S = state + (long)h * dk * dv;
-    float sreg[MAXR];
     float m = 0.f;
 #pragma unroll
     for (int r = 0; r < MAXR; r++) {
         int i = warp + 4 * r;
-        sreg[r] = 0.f;
-        if (i < dk && active) {
-            sreg[r] = S[i * dv + col] * decay;
-            m = fmaf(sreg[r], ks[i], m);
-        }
+        sreg[r] *= decay;
+        if (i < dk && active) m = fmaf(sreg[r], ks[i], m);
     }
     part[warp][lane] = m;
     __syncthreads();

@@ -8,6 +8,7 @@
 extern "C" __global__ void embed_q4(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                                     const __nv_bfloat16* __restrict__ b, int cols, int gs,
                                     const int* __restrict__ tok, float* __restrict__ x) {
+    pdl_wait();
     const long r = tok[0];
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
         uint32_t word = w[r * (cols / 8) + c / 8];
@@ -18,6 +19,7 @@ extern "C" __global__ void embed_q4(const uint32_t* __restrict__ w, const __nv_b
 
 extern "C" __global__ void argmax_partial(const float* __restrict__ v, int n, float* __restrict__ pv,
                                           int* __restrict__ pi) {
+    pdl_wait();
     __shared__ float sv[32];
     __shared__ int si[32];
     float bv = -INFINITY;
@@ -46,6 +48,7 @@ extern "C" __global__ void argmax_partial(const float* __restrict__ v, int n, fl
 
 extern "C" __global__ void argmax_final(const float* __restrict__ pv, const int* __restrict__ pi, int n,
                                         int* __restrict__ tok, int* __restrict__ pos) {
+    pdl_wait();
     if (threadIdx.x == 0) {
         float bv = -INFINITY;
         int bi = 0;
@@ -62,16 +65,19 @@ __device__ __forceinline__ uint32_t hash32(uint64_t x) {
 }
 
 extern "C" __global__ void fill_u32_hash(uint32_t* p, long n, unsigned long long seed) {
+    pdl_wait();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         p[i] = hash32(seed * 0x9E3779B97F4A7C15ull + (uint64_t)i);
 }
 
 extern "C" __global__ void fill_bf16(__nv_bfloat16* p, long n, float v) {
+    pdl_wait();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         p[i] = __float2bfloat16(v);
 }
 
 extern "C" __global__ void fill_f32_uniform(float* p, long n, unsigned long long seed, float lo, float hi) {
+    pdl_wait();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         p[i] = lo + (hi - lo) * (hash32(seed * 0x9E3779B97F4A7C15ull + (uint64_t)i) >> 8) * (1.f / 16777216.f);
 }

@@ -15,6 +15,21 @@ use crate::weights::{dot, Attention, GatedDeltaNet, Layer, Linear, Mixer, Mlp, M
 pub struct State {
     pub pos: usize,
     pub layers: Vec<LayerState>,
+    /// Test hook (off by default): hold expert choices equal to another backend's, or record router logits.
+    pub routing: Routing,
+}
+
+/// Test hook on the MoE routing of the next `forward` call. Comparisons between backends on random models
+/// use it to hold expert choices equal, since near-tied router scores can flip a top-k choice.
+#[derive(Clone, Default)]
+pub struct Routing {
+    /// Per layer, the experts each token of the next call uses (`[n * num_experts_per_tok]`) instead of the
+    /// router's top-k; their weights still come from this router's softmax, renormalised over them. Taken
+    /// (reset to `None`) by the call.
+    pub force: Option<Vec<Vec<usize>>>,
+    /// When set, each call stores every layer's router logits (`[n * num_experts]`) in `logits`.
+    pub record: bool,
+    pub logits: Vec<Vec<f32>>,
 }
 
 #[derive(Clone)]
@@ -45,7 +60,7 @@ impl State {
                 },
             })
             .collect();
-        State { pos: 0, layers }
+        State { pos: 0, layers, routing: Routing::default() }
     }
 }
 
@@ -69,8 +84,12 @@ impl Weights {
             self.embed.row_into(id as usize, xt);
         }
         let mut u = vec![0.0; n * h];
-        for (layer, ls) in self.layers.iter().zip(state.layers.iter_mut()) {
-            layer_forward(c, layer, ls, state.pos, &mut x, &mut u, n);
+        let force = state.routing.force.take();
+        state.routing.logits.clear();
+        for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            let forced = force.as_ref().map(|f| f[i].as_slice());
+            let record = state.routing.record.then_some(&mut state.routing.logits);
+            layer_forward(c, layer, ls, state.pos, &mut x, &mut u, n, forced, record);
         }
         state.pos += n;
         let rows = if which == Logits::All { n } else { 1 };
@@ -84,7 +103,18 @@ impl Weights {
     }
 }
 
-fn layer_forward(c: &Config, layer: &Layer, ls: &mut LayerState, pos: usize, x: &mut [f32], u: &mut [f32], n: usize) {
+#[allow(clippy::too_many_arguments)]
+fn layer_forward(
+    c: &Config,
+    layer: &Layer,
+    ls: &mut LayerState,
+    pos: usize,
+    x: &mut [f32],
+    u: &mut [f32],
+    n: usize,
+    forced: Option<&[usize]>,
+    record: Option<&mut Vec<Vec<f32>>>,
+) {
     let h = c.hidden_size;
     // h = h + Mixer(RMSNorm1p(h))
     u.copy_from_slice(x);
@@ -98,7 +128,7 @@ fn layer_forward(c: &Config, layer: &Layer, ls: &mut LayerState, pos: usize, x: 
     // h = h + MoE(RMSNorm1p(h))
     u.copy_from_slice(x);
     u.chunks_exact_mut(h).for_each(|r| rms_norm(r, &layer.post_norm, c.rms_norm_eps));
-    let out = moe(c, &layer.moe, u, n);
+    let out = moe(c, &layer.moe, u, n, forced, record);
     x.iter_mut().zip(&out).for_each(|(a, b)| *a += b);
 }
 
@@ -143,10 +173,28 @@ fn attention(
     u: &[f32],
     n: usize,
 ) -> Vec<f32> {
-    let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let qg = project(&a.q_proj, u, n);
-    let mut k = project(&a.k_proj, u, n);
+    let k = project(&a.k_proj, u, n);
     let v = project(&a.v_proj, u, n);
+    let o = attention_core(c, a, kc, vc, pos, &qg, k, &v, n);
+    project(&a.o_proj, &o, n)
+}
+
+/// [`attention`] between the projections: from q‖gate, k, v of `n` tokens to the gated output `[n, nh*hd]`
+/// (before o_proj); reads `a.q_norm` and `a.k_norm` only.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_core(
+    c: &Config,
+    a: &Attention,
+    kc: &mut Vec<f32>,
+    vc: &mut Vec<f32>,
+    pos: usize,
+    qg: &[f32],
+    mut k: Vec<f32>,
+    v: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let mut q = vec![0.0; n * nh * hd];
     let mut gate = vec![0.0; n * nh * hd];
     for t in 0..n {
@@ -176,7 +224,7 @@ fn attention(
         k[t * nkv * hd..(t + 1) * nkv * hd].chunks_exact_mut(hd).for_each(rope);
     }
     kc.extend_from_slice(&k);
-    vc.extend_from_slice(&v);
+    vc.extend_from_slice(v);
     let scale = 1.0 / (hd as f32).sqrt();
     let group = nh / nkv;
     let mut o = vec![0.0; n * nh * hd];
@@ -199,24 +247,42 @@ fn attention(
         }
     });
     o.iter_mut().zip(&gate).for_each(|(ov, g)| *ov *= sigmoid(*g));
-    project(&a.o_proj, &o, n)
+    o
 }
 
 /// Gated DeltaNet (§2.3): projections, causal depthwise conv + SiLU over q‖k‖v, l2-normalised q and k, the
 /// delta-rule recurrence with an f32 state per value head, gated RMSNorm, out_proj.
 fn delta_net(c: &Config, g: &GatedDeltaNet, conv: &mut [f32], s: &mut [f32], u: &[f32], n: usize) -> Vec<f32> {
-    let (cd, kk) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
-    let (hk, hv, dk, dv) =
-        (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
     let mixed = project(&g.in_proj_qkv, u, n);
     let z = project(&g.in_proj_z, u, n);
     let b = project(&g.in_proj_b, u, n);
     let a = project(&g.in_proj_a, u, n);
+    let o = delta_net_core(c, g, conv, s, &mixed, &z, &b, &a, n);
+    project(&g.out_proj, &o, n)
+}
+
+/// [`delta_net`] between the projections: from qkv, z, b, a of `n` tokens to the gated-normed output
+/// `[n, value_dim]` (before out_proj), advancing `conv` and `s`; reads conv, a_log, dt_bias and norm of `g` only.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_net_core(
+    c: &Config,
+    g: &GatedDeltaNet,
+    conv: &mut [f32],
+    s: &mut [f32],
+    mixed: &[f32],
+    z: &[f32],
+    b: &[f32],
+    a: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let (cd, kk) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
+    let (hk, hv, dk, dv) =
+        (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
 
     // Causal conv over [cached kernel-1 inputs ; n new inputs]: y[t,c] = Σ_j w[c,j] · in[t + j].
     let mut inputs = Vec::with_capacity((kk - 1 + n) * cd);
     inputs.extend_from_slice(conv);
-    inputs.extend_from_slice(&mixed);
+    inputs.extend_from_slice(mixed);
     let mut qkv = vec![0.0; n * cd];
     for t in 0..n {
         for ch in 0..cd {
@@ -281,7 +347,7 @@ fn delta_net(c: &Config, g: &GatedDeltaNet, conv: &mut [f32], s: &mut [f32], u: 
         rms_norm(orow, &g.norm, c.rms_norm_eps);
         orow.iter_mut().zip(zrow).for_each(|(ov, zv)| *ov *= silu(*zv));
     }
-    project(&g.out_proj, &o, n)
+    o
 }
 
 fn mlp(m: &Mlp, x: &[f32], n: usize) -> Vec<f32> {
@@ -304,12 +370,40 @@ pub fn route(c: &Config, router_logits: &[f32]) -> Vec<(usize, f32)> {
     top.into_iter().map(|(e, w)| (e, w / total)).collect()
 }
 
+/// [`route`] with the experts given instead of chosen: their softmax probabilities, renormalised over them.
+pub fn route_forced(router_logits: &[f32], experts: &[usize]) -> Vec<(usize, f32)> {
+    let m = router_logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let p: Vec<f32> = router_logits.iter().map(|l| (l - m).exp()).collect();
+    let sum: f32 = p.iter().sum();
+    let top: Vec<(usize, f32)> = experts.iter().map(|&e| (e, p[e] / sum)).collect();
+    let total: f32 = top.iter().map(|(_, w)| w).sum();
+    top.into_iter().map(|(e, w)| (e, w / total)).collect()
+}
+
 /// Sparse MoE (§2.4): routed SwiGLU experts weighted by the renormalised top-k, plus the sigmoid-gated shared
-/// expert.
-fn moe(c: &Config, m: &Moe, u: &[f32], n: usize) -> Vec<f32> {
+/// expert. `forced`: the experts of each token (`[n * k]`) instead of the router's top-k (see [`Routing`]);
+/// `record`: receives the router logits `[n * num_experts]`.
+pub fn moe(
+    c: &Config,
+    m: &Moe,
+    u: &[f32],
+    n: usize,
+    forced: Option<&[usize]>,
+    record: Option<&mut Vec<Vec<f32>>>,
+) -> Vec<f32> {
     let h = c.hidden_size;
     let logits = project(&m.router, u, n);
-    let routes: Vec<Vec<(usize, f32)>> = logits.chunks_exact(c.num_experts).map(|l| route(c, l)).collect();
+    let k = c.num_experts_per_tok;
+    let routes: Vec<Vec<(usize, f32)>> = match forced {
+        Some(f) => {
+            assert_eq!(f.len(), n * k, "forced routing: {} experts for {n} tokens of top-{k}", f.len());
+            logits.chunks_exact(c.num_experts).zip(f.chunks_exact(k)).map(|(l, e)| route_forced(l, e)).collect()
+        }
+        None => logits.chunks_exact(c.num_experts).map(|l| route(c, l)).collect(),
+    };
+    if let Some(r) = record {
+        r.push(logits);
+    }
     let mut out = mlp(&m.shared, u, n);
     let sg = project(&m.shared_gate, u, n);
     for t in 0..n {
