@@ -59,7 +59,8 @@ funcs! {
     gemv_q4: "gemv", gemv_q8: "gemv", gemv_q4_r1: "gemv", gemv_q8_r1: "gemv", gemv_q4_magic: "gemv",
     router_topk_q8: "gemv", moe_topk: "moe", moe_gate_up: "moe", moe_down: "moe",
     gdn_step: "gdn",
-    attn_prep: "attention", attn_decode: "attention", attn_combine: "attention",
+    attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention", attn_decode_kv_nopf: "attention",
+    attn_combine: "attention",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
 }
@@ -156,6 +157,11 @@ pub struct Gpu {
     pub pdl: bool,
     /// Large 4-bit GEMVs with the magic-number decode instead of the denormal one (`TERN_GEMV_MAGIC=1`; A/B).
     pub gemv_magic: bool,
+    /// Attention decode with one warp per q head (`attn_decode`) even where `attn_decode_kv` applies
+    /// (`TERN_ATTN_PER_HEAD=1`; A/B).
+    pub attn_per_head: bool,
+    /// `attn_decode_kv` without its K/V prefetch stage (`TERN_ATTN_NO_PF=1`; A/B).
+    pub attn_no_pf: bool,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -213,7 +219,19 @@ impl Gpu {
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
         let gemv_magic = std::env::var_os("TERN_GEMV_MAGIC").is_some_and(|v| v == "1");
-        Ok(Arc::new(Gpu { ctx, stream, f, sms, pdl, gemv_magic, _modules: modules.into_iter().map(|m| m.1).collect() }))
+        let attn_per_head = std::env::var_os("TERN_ATTN_PER_HEAD").is_some_and(|v| v == "1");
+        let attn_no_pf = std::env::var_os("TERN_ATTN_NO_PF").is_some_and(|v| v == "1");
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            f,
+            sms,
+            pdl,
+            gemv_magic,
+            attn_per_head,
+            attn_no_pf,
+            _modules: modules.into_iter().map(|m| m.1).collect(),
+        }))
     }
 
     /// A launch of `func` (see [`KLaunch`]).
@@ -499,10 +517,19 @@ impl Gpu {
         ensure!(qbuf.len() >= nh * hd && part.len() >= nh * nsplit * (hd + 2), "attn_decode: buffers");
         let scale = 1.0 / (hd as f32).sqrt();
         let d = [nh, nkv, hd].map(|v| v as i32);
-        let mut l = self.launcher(&self.f.attn_decode);
+        // one warp per kv-head key range for all its q heads (K/V read once) where the group fits in 8
+        let per_kv = nh / nkv <= 8 && !self.attn_per_head;
+        let f = match (per_kv, self.attn_no_pf) {
+            (true, false) => &self.f.attn_decode_kv,
+            (true, true) => &self.f.attn_decode_kv_nopf,
+            _ => &self.f.attn_decode,
+        };
+        let mut l = self.launcher(f);
         l.arg(qbuf).arg(kc).arg(vc).arg(pos).arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&scale).arg(&*part);
-        // SAFETY: matches attn_decode in attention.cu; keys 0..=*pos are inside the cache (see attn_prep).
-        unsafe { l.launch(cfg((nkv as u32, nsplit as u32), 32 * (nh / nkv) as u32, 0)) }?;
+        let threads = if per_kv { 128 } else { 32 * (nh / nkv) as u32 };
+        // SAFETY: matches attn_decode / attn_decode_kv(_nopf) (4 warps, static smem) in attention.cu; hd <= 256 and
+        // the group (<= 8 for attn_decode_kv) checked above; keys 0..=*pos are inside the cache (see attn_prep).
+        unsafe { l.launch(cfg((nkv as u32, nsplit as u32), threads, 0)) }?;
         Ok(())
     }
 

@@ -7,7 +7,16 @@
 //                takes a contiguous slice of keys 0..=pos (at least ATT_MIN_SPLIT keys; later splits may be empty)
 //                and writes (acc[hd], max, sum) partials. Keys in batches of ATT_T: 2*ATT_T 16-byte bf16 loads per
 //                lane in flight, ATT_T interleaved warp reductions, one online-softmax rescale per batch.
-//                Bytes 2*(pos+1)*nkv*hd*2 (K and V once per block). FLOPs 4*(pos+1)*nh*hd.
+//                Bytes 2*(pos+1)*nkv*hd*2 (K and V once per block). FLOPs 4*(pos+1)*nh*hd. Used when nh/nkv > 8
+//                (or TERN_ATTN_PER_HEAD=1).
+// attn_decode_kv: same splits and partials, but each K/V row is read by ONE warp for all (<= 8) query heads of
+//                its kv head: grid (nkv, nsplit), AKV_W warps per block take interleaved batches of AKV_B keys of
+//                the block's slice; lane owns dims 8*lane..+7; the 32 scores (key j, head g) of a batch are
+//                reduce-scattered in 31 shuffles so lane = j*8+g holds one; p and the rescale factors go through
+//                smem; the warps' (acc, max, sum) are merged in smem at the end. q (x scale) lives in smem. The next
+//                batch's K/V loads are issued before the current batch's math (two-stage pipeline; 231 registers,
+//                2 blocks/SM). attn_decode_kv_nopf: the same without the prefetch (168 registers, 3 blocks/SM).
+//                Bytes 2*(pos+1)*nkv*hd*2 + nh*hd*4. FLOPs 4*(pos+1)*nh*hd.
 // attn_combine : merges the partials per head (only the non-empty prefix of splits; blockDim/hd thread groups
 //                share the splits) and applies the sigmoid output gate -> o f32 [nh*hd].
 #include "common.cuh"
@@ -135,6 +144,192 @@ extern "C" __global__ void attn_decode(const float* __restrict__ qbuf, const __n
         out[hd] = m;
         out[hd + 1] = l;
     }
+}
+
+// one reduce-scatter level over H lanes: the lane keeps values [0, H) (lane & H clear) or [H, 2H) of s[0, 2H),
+// summed with its partner's copy, in s[0, H)
+template <int H>
+__device__ __forceinline__ void rs_level(float* s, int lane) {
+    const bool up = lane & H;
+#pragma unroll
+    for (int i = 0; i < H; i++) {
+        const float lo = s[i], hi = s[i + H];
+        const float keep = up ? hi : lo;
+        const float send = up ? lo : hi;
+        s[i] = keep + __shfl_xor_sync(FULL_MASK, send, H);
+    }
+}
+
+#define AKV_W 4  // warps per block
+#define AKV_B 4  // keys per warp batch (AKV_B * AKV_G = 32 scores: one per lane after the reduce-scatter)
+#define AKV_G 8  // query heads per kv head (at most)
+
+// K and V rows tb .. tb+AKV_B-1 (clamped to t1-1; t1 >= 1) of this lane's 8 dims
+__device__ __forceinline__ void kv_batch(const __nv_bfloat16* kb, const __nv_bfloat16* vb, long rs, int tb, int t1,
+                                         uint4 (&kv)[AKV_B], uint4 (&vv)[AKV_B]) {
+#pragma unroll
+    for (int j = 0; j < AKV_B; j++) {
+        const long t = min(tb + j, t1 - 1);
+        kv[j] = __ldg(reinterpret_cast<const uint4*>(kb + t * rs));
+        vv[j] = __ldg(reinterpret_cast<const uint4*>(vb + t * rs));
+    }
+}
+
+template <bool PF>
+__device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qbuf,
+                                                    const __nv_bfloat16* __restrict__ kc,
+                                                    const __nv_bfloat16* __restrict__ vc,
+                                                    const int* __restrict__ pos_ptr, int nh, int nkv, int hd,
+                                                    float scale, float* __restrict__ part) {
+    __shared__ __align__(16) float qs[AKV_G * 256];           // [g][256] q * scale, zero past hd / group
+    __shared__ __align__(16) float accs[AKV_W][AKV_G * 256];  // per-warp partial acc, [g][256]
+    __shared__ __align__(16) float ps[AKV_W][AKV_B * AKV_G + AKV_G];  // p[j][g], then corr[g]
+    __shared__ float mws[AKV_W][AKV_G], lws[AKV_W][AKV_G];
+    const int kvh = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int group = nh / nkv;
+    pdl_wait();
+    for (int i = threadIdx.x; i < AKV_G * 256; i += blockDim.x) {
+        const int g = i >> 8, d = i & 255;
+        qs[i] = (g < group && d < hd) ? qbuf[(kvh * group + g) * hd + d] * scale : 0.f;
+    }
+    const int len = *pos_ptr + 1;
+    const int chunk = max((len + nsplit - 1) / nsplit, ATT_MIN_SPLIT);
+    const int t0 = min(split * chunk, len), t1 = min(len, t0 + chunk);
+    const bool on = 8 * lane < hd;
+    const int d0 = on ? 8 * lane : 0;
+    const long rs = (long)nkv * hd;
+    const __nv_bfloat16* kb = kc + (long)kvh * hd + d0;
+    const __nv_bfloat16* vb = vc + (long)kvh * hd + d0;
+    float acc[AKV_G][8];
+#pragma unroll
+    for (int g = 0; g < AKV_G; g++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[g][e] = 0.f;
+    float m = -INFINITY, l = 0.f;  // of head lane & 7 (lanes with equal lane & 7 agree)
+    __syncthreads();
+    const float4* q4 = reinterpret_cast<const float4*>(qs) + 2 * lane;
+    // PF: two-stage pipeline, the next batch's K/V loads are in flight during this batch's math
+    uint4 kn[AKV_B], vn[AKV_B];
+    const int tfirst = t0 + warp * AKV_B;
+    if (PF) kv_batch(kb, vb, rs, tfirst, t1, kn, vn);
+    for (int tb = tfirst; tb < t1; tb += AKV_W * AKV_B) {
+        uint4 kv[AKV_B], vv[AKV_B];
+        if (PF) {
+#pragma unroll
+            for (int j = 0; j < AKV_B; j++) {
+                kv[j] = kn[j];
+                vv[j] = vn[j];
+            }
+            if (tb + AKV_W * AKV_B < t1) kv_batch(kb, vb, rs, tb + AKV_W * AKV_B, t1, kn, vn);
+        } else {
+            kv_batch(kb, vb, rs, tb, t1, kv, vv);
+        }
+        float kf[AKV_B][8];
+#pragma unroll
+        for (int j = 0; j < AKV_B; j++) bf16x8(kv[j], kf[j]);
+        float s[AKV_B * AKV_G];
+#pragma unroll
+        for (int g = 0; g < AKV_G; g++) {
+            const float4 qa = q4[g * 64], qb = q4[g * 64 + 1];
+            const float q[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+            for (int j = 0; j < AKV_B; j++) {
+                float sd = 0.f;
+#pragma unroll
+                for (int e = 0; e < 8; e++) sd = fmaf(q[e], kf[j][e], sd);
+                s[j * AKV_G + g] = sd;
+            }
+        }
+        // reduce-scatter: after level o the lane keeps the half of its values selected by (lane & o); in the end
+        // lane L holds the full score of value index L = j*8 + g
+        rs_level<16>(s, lane);
+        rs_level<8>(s, lane);
+        rs_level<4>(s, lane);
+        rs_level<2>(s, lane);
+        rs_level<1>(s, lane);
+        const float sc = tb + (lane >> 3) < t1 ? s[0] : -INFINITY;
+        float bm = fmaxf(sc, __shfl_xor_sync(FULL_MASK, sc, 8));
+        bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 16));
+        const float mn = fmaxf(m, bm);  // finite: key tb < t1 is valid
+        const float corr = expf(m - mn);
+        const float p = expf(sc - mn);
+        float psum = p + __shfl_xor_sync(FULL_MASK, p, 8);
+        psum += __shfl_xor_sync(FULL_MASK, psum, 16);
+        l = l * corr + psum;
+        m = mn;
+        __syncwarp();  // the previous batch's reads of ps are done
+        ps[warp][lane] = p;
+        if (lane < AKV_G) ps[warp][32 + lane] = corr;
+        __syncwarp();
+        float pa[AKV_B * AKV_G + AKV_G];
+#pragma unroll
+        for (int i = 0; i < (AKV_B * AKV_G + AKV_G) / 4; i++) {
+            const float4 v4 = reinterpret_cast<const float4*>(ps[warp])[i];
+            pa[4 * i] = v4.x;
+            pa[4 * i + 1] = v4.y;
+            pa[4 * i + 2] = v4.z;
+            pa[4 * i + 3] = v4.w;
+        }
+#pragma unroll
+        for (int g = 0; g < AKV_G; g++)
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[g][e] *= pa[32 + g];
+#pragma unroll
+        for (int j = 0; j < AKV_B; j++) {
+            float vf[8];
+            bf16x8(vv[j], vf);
+#pragma unroll
+            for (int g = 0; g < AKV_G; g++)
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[g][e] = fmaf(pa[j * AKV_G + g], vf[e], acc[g][e]);
+        }
+    }
+    if (lane < AKV_G) {
+        mws[warp][lane] = m;
+        lws[warp][lane] = l;
+    }
+    if (on) {
+#pragma unroll
+        for (int g = 0; g < AKV_G; g++) {
+            float4* a4 = reinterpret_cast<float4*>(&accs[warp][g * 256 + 8 * lane]);
+            a4[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            a4[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) {
+        const int g = i / hd, d = i % hd;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < AKV_W; w++) M = fmaxf(M, mws[w][g]);
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int w = 0; w < AKV_W; w++) {
+            const float f = mws[w][g] == -INFINITY ? 0.f : expf(mws[w][g] - M);
+            num = fmaf(f, accs[w][g * 256 + d], num);
+            den = fmaf(f, lws[w][g], den);
+        }
+        float* out = part + ((long)(kvh * group + g) * nsplit + split) * (hd + 2);
+        out[d] = num;
+        if (d == 0) {
+            out[hd] = M;
+            out[hd + 1] = den;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv(
+    const float* __restrict__ qbuf, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
+    const int* __restrict__ pos_ptr, int nh, int nkv, int hd, float scale, float* __restrict__ part) {
+    attn_decode_kv_body<true>(qbuf, kc, vc, pos_ptr, nh, nkv, hd, scale, part);
+}
+
+// the same without the prefetch stage (168 registers, 3 blocks per SM instead of 2; A/B: TERN_ATTN_NO_PF=1)
+extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv_nopf(
+    const float* __restrict__ qbuf, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
+    const int* __restrict__ pos_ptr, int nh, int nkv, int hd, float scale, float* __restrict__ part) {
+    attn_decode_kv_body<false>(qbuf, kc, vc, pos_ptr, nh, nkv, hd, scale, part);
 }
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part, const float* __restrict__ proj, int nsplit,
