@@ -56,10 +56,10 @@ macro_rules! funcs {
 }
 
 funcs! {
-    gemv_q4: "gemv", gemv_q8: "gemv", gemv_q4_r1: "gemv", gemv_q8_r1: "gemv", gemv_q4_magic: "gemv",
+    gemv_q4: "gemv", gemv_q8: "gemv", gemv_q4_r1: "gemv", gemv_q8_r1: "gemv",
     router_topk_q8: "gemv", moe_topk: "moe", moe_gate_up: "moe", moe_down: "moe",
     gdn_step: "gdn",
-    attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention", attn_decode_kv_nopf: "attention",
+    attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention",
     attn_combine: "attention",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
@@ -155,13 +155,6 @@ pub struct Gpu {
     pub sms: u32,
     /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
     pub pdl: bool,
-    /// Large 4-bit GEMVs with the magic-number decode instead of the denormal one (`TERN_GEMV_MAGIC=1`; A/B).
-    pub gemv_magic: bool,
-    /// Attention decode with one warp per q head (`attn_decode`) even where `attn_decode_kv` applies
-    /// (`TERN_ATTN_PER_HEAD=1`; A/B).
-    pub attn_per_head: bool,
-    /// `attn_decode_kv` without its K/V prefetch stage (`TERN_ATTN_NO_PF=1`; A/B).
-    pub attn_no_pf: bool,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -218,20 +211,7 @@ impl Gpu {
         let f = Funcs::load(&modules)?;
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
-        let gemv_magic = std::env::var_os("TERN_GEMV_MAGIC").is_some_and(|v| v == "1");
-        let attn_per_head = std::env::var_os("TERN_ATTN_PER_HEAD").is_some_and(|v| v == "1");
-        let attn_no_pf = std::env::var_os("TERN_ATTN_NO_PF").is_some_and(|v| v == "1");
-        Ok(Arc::new(Gpu {
-            ctx,
-            stream,
-            f,
-            sms,
-            pdl,
-            gemv_magic,
-            attn_per_head,
-            attn_no_pf,
-            _modules: modules.into_iter().map(|m| m.1).collect(),
-        }))
+        Ok(Arc::new(Gpu { ctx, stream, f, sms, pdl, _modules: modules.into_iter().map(|m| m.1).collect() }))
     }
 
     /// A launch of `func` (see [`KLaunch`]).
@@ -291,7 +271,6 @@ impl Gpu {
         // 4 rows per warp when that still gives >= 2 blocks per SM, else 1 row per warp
         let r4 = m.rows >= 64 * self.sms as usize;
         let func = match (m.bits, r4) {
-            (4, true) if self.gemv_magic => &self.f.gemv_q4_magic,
             (4, true) => &self.f.gemv_q4,
             (4, false) => &self.f.gemv_q4_r1,
             (_, true) => &self.f.gemv_q8,
@@ -518,16 +497,12 @@ impl Gpu {
         let scale = 1.0 / (hd as f32).sqrt();
         let d = [nh, nkv, hd].map(|v| v as i32);
         // one warp per kv-head key range for all its q heads (K/V read once) where the group fits in 8
-        let per_kv = nh / nkv <= 8 && !self.attn_per_head;
-        let f = match (per_kv, self.attn_no_pf) {
-            (true, false) => &self.f.attn_decode_kv,
-            (true, true) => &self.f.attn_decode_kv_nopf,
-            _ => &self.f.attn_decode,
-        };
+        let per_kv = nh / nkv <= 8;
+        let f = if per_kv { &self.f.attn_decode_kv } else { &self.f.attn_decode };
         let mut l = self.launcher(f);
         l.arg(qbuf).arg(kc).arg(vc).arg(pos).arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&scale).arg(&*part);
         let threads = if per_kv { 128 } else { 32 * (nh / nkv) as u32 };
-        // SAFETY: matches attn_decode / attn_decode_kv(_nopf) (4 warps, static smem) in attention.cu; hd <= 256 and
+        // SAFETY: matches attn_decode / attn_decode_kv (4 warps, static smem) in attention.cu; hd <= 256 and
         // the group (<= 8 for attn_decode_kv) checked above; keys 0..=*pos are inside the cache (see attn_prep).
         unsafe { l.launch(cfg((nkv as u32, nsplit as u32), threads, 0)) }?;
         Ok(())

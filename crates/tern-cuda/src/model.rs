@@ -56,8 +56,9 @@ fn quant<'a>(l: &'a Linear, what: &str) -> Result<&'a QuantMatrix> {
     }
 }
 
-/// Row-wise concatenation of matrices sharing cols, bits and group size.
-fn stack(gpu: &Gpu, ms: &[&QuantMatrix], what: &str) -> Result<QMat> {
+/// Upload matrices sharing cols, bits and group size as one device matrix, rows concatenated (one matrix:
+/// `stack(gpu, &[m], name)`). Packed words stay packed; scales and biases go up as raw bf16 bits.
+pub fn stack(gpu: &Gpu, ms: &[&QuantMatrix], what: &str) -> Result<QMat> {
     let f = ms[0];
     for m in ms {
         ensure!(

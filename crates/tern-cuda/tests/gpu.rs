@@ -24,15 +24,7 @@ impl Rng {
 }
 
 fn to_dev(g: &Gpu, m: &QuantMatrix) -> QMat {
-    QMat {
-        rows: m.rows(),
-        cols: m.cols(),
-        bits: m.bits(),
-        gs: m.group_size(),
-        w: g.upload(m.packed()).unwrap(),
-        s: g.upload(&m.scales().iter().map(|v| v.to_bits()).collect::<Vec<_>>()).unwrap(),
-        b: g.upload(&m.biases().iter().map(|v| v.to_bits()).collect::<Vec<_>>()).unwrap(),
-    }
+    tern_cuda::model::stack(g, &[m], "test matrix").unwrap()
 }
 
 /// max |a-b| / max |b|

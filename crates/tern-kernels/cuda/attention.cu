@@ -7,15 +7,14 @@
 //                takes a contiguous slice of keys 0..=pos (at least ATT_MIN_SPLIT keys; later splits may be empty)
 //                and writes (acc[hd], max, sum) partials. Keys in batches of ATT_T: 2*ATT_T 16-byte bf16 loads per
 //                lane in flight, ATT_T interleaved warp reductions, one online-softmax rescale per batch.
-//                Bytes 2*(pos+1)*nkv*hd*2 (K and V once per block). FLOPs 4*(pos+1)*nh*hd. Used when nh/nkv > 8
-//                (or TERN_ATTN_PER_HEAD=1).
+//                Bytes 2*(pos+1)*nkv*hd*2 (K and V once per block). FLOPs 4*(pos+1)*nh*hd. Used when nh/nkv > 8.
 // attn_decode_kv: same splits and partials, but each K/V row is read by ONE warp for all (<= 8) query heads of
 //                its kv head: grid (nkv, nsplit), AKV_W warps per block take interleaved batches of AKV_B keys of
 //                the block's slice; lane owns dims 8*lane..+7; the 32 scores (key j, head g) of a batch are
 //                reduce-scattered in 31 shuffles so lane = j*8+g holds one; p and the rescale factors go through
 //                smem; the warps' (acc, max, sum) are merged in smem at the end. q (x scale) lives in smem. The next
 //                batch's K/V loads are issued before the current batch's math (two-stage pipeline; 231 registers,
-//                2 blocks/SM). attn_decode_kv_nopf: the same without the prefetch (168 registers, 3 blocks/SM).
+//                2 blocks/SM).
 //                Bytes 2*(pos+1)*nkv*hd*2 + nh*hd*4. FLOPs 4*(pos+1)*nh*hd.
 // attn_combine : merges the partials per head (only the non-empty prefix of splits; blockDim/hd thread groups
 //                share the splits) and applies the sigmoid output gate -> o f32 [nh*hd].
@@ -323,13 +322,6 @@ extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv(
     const float* __restrict__ qbuf, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
     const int* __restrict__ pos_ptr, int nh, int nkv, int hd, float scale, float* __restrict__ part) {
     attn_decode_kv_body<true>(qbuf, kc, vc, pos_ptr, nh, nkv, hd, scale, part);
-}
-
-// the same without the prefetch stage (168 registers, 3 blocks per SM instead of 2; A/B: TERN_ATTN_NO_PF=1)
-extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv_nopf(
-    const float* __restrict__ qbuf, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
-    const int* __restrict__ pos_ptr, int nh, int nkv, int hd, float scale, float* __restrict__ part) {
-    attn_decode_kv_body<false>(qbuf, kc, vc, pos_ptr, nh, nkv, hd, scale, part);
 }
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part, const float* __restrict__ proj, int nsplit,

@@ -94,5 +94,3 @@ GEMV_KERNEL(gemv_q4, 4, 4, 2, true)
 GEMV_KERNEL(gemv_q4_r1, 4, 1, 4, true)
 GEMV_KERNEL(gemv_q8, 8, 4, 2, true)
 GEMV_KERNEL(gemv_q8_r1, 8, 1, 4, true)
-// magic-number decode (LOP3 + FADD + FFMA per weight), kept for A/B timing: TERN_GEMV_MAGIC=1
-GEMV_KERNEL(gemv_q4_magic, 4, 4, 2, false)
