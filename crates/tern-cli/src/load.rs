@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
-use tern_engine::{Backend, CpuBackend, Model};
+use tern_engine::Model;
 use tern_model::{LoadOptions, Weights};
 
 use crate::hub::resolve_model;
@@ -21,13 +21,14 @@ pub fn load_model(model: &str, backend: &str, ctx: usize) -> Result<Model> {
         "auto" => !tern_kernels::CUBINS.is_empty() && tern_cuda::Gpu::new().is_ok(),
         b => bail!("--backend {b}: expected cpu, cuda or auto"),
     };
-    // The product runs in 4 bits: a bf16 checkpoint is quantised on load, an mlx one is used as stored.
-    let w = Weights::load_with(&dir, LoadOptions { quantize: true })?;
-    let backend: Arc<dyn Backend> = if use_cuda {
-        Arc::new(tern_cuda::CudaBackend::new(&w, tern_cuda::seq::CudaOptions { max_context: ctx })?)
+    let model = if use_cuda {
+        // Quantised on load exactly as Model::load_cpu does; the kernels take 4-bit (and 8-bit) weights only.
+        let w = Weights::load_with(&dir, LoadOptions { quantize: true })?;
+        let opts = tern_cuda::seq::CudaOptions { max_context: ctx };
+        Model::with_backend(&dir, Arc::new(tern_cuda::CudaBackend::new(&w, opts)?))?
     } else {
-        Arc::new(CpuBackend::new(w))
+        Model::load_cpu(&dir)?
     };
-    eprintln!("tern: {} on {}", dir.display(), backend.name());
-    Model::with_backend(&dir, backend)
+    eprintln!("tern: {} on {}", dir.display(), model.backend.name());
+    Ok(model)
 }

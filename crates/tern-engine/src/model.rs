@@ -21,9 +21,10 @@ pub struct Model {
 }
 
 impl Model {
-    /// Load a model directory onto the CPU backend.
+    /// Load a model directory onto the CPU backend, in 4 bits as the product runs: a bf16 checkpoint is
+    /// quantised on load, an mlx one is used as stored.
     pub fn load_cpu(dir: &Path) -> Result<Model> {
-        let weights = tern_model::Weights::load(dir)?;
+        let weights = tern_model::Weights::load_with(dir, tern_model::LoadOptions { quantize: true })?;
         Model::with_backend(dir, Arc::new(CpuBackend::new(weights)))
     }
 
