@@ -40,6 +40,10 @@ pub struct Args {
     /// cpu or cuda (cuda: --random-weights only, for now).
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// CUDA: also trace one graph step at the first --ctx (per kernel launch: when its blocks entered, when its
+    /// dependency wait returned, when it ended; totals per kernel family).
+    #[arg(long)]
+    pub trace: bool,
 }
 
 fn read_config(cfg: &std::path::Path) -> Result<Config> {
@@ -59,7 +63,7 @@ pub fn run(args: Args) -> Result<()> {
             let cfg = args.config.as_ref().filter(|_| args.random_weights).context(
                 "--backend cuda: give --random-weights --config CONFIG (loaded checkpoints are not benchmarked on CUDA yet)",
             )?;
-            return tern_cuda::bench::bench(&read_config(cfg)?, &args.ctx, args.repeats.max(3));
+            return tern_cuda::bench::bench(&read_config(cfg)?, &args.ctx, args.repeats.max(3), args.trace);
         }
         b => bail!("--backend {b}: expected cpu or cuda"),
     }

@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use cudarc::driver::sys;
 use tern_model::{Config, LayerKind};
 
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, TraceRec};
 use crate::model::DMixer;
 use crate::seq::{CudaOptions, LState, Profile};
 use crate::CudaBackend;
@@ -14,8 +14,9 @@ const BW: f64 = 4.3e12;
 /// Decode speed of the full-shape model `c` with random weights generated on the GPU: per context, the median
 /// over `repeats` runs of 64 graph-replayed steps after 8 warm-up steps, beside the ceiling (bytes moved per
 /// token / 4.3 TB/s, the H200's measured device-to-device copy rate); then a per-kernel-family profile of one
-/// non-graph step (CUDA events around each op) at 4,096 and 32,768 tokens of context.
-pub fn bench(c: &Config, ctxs: &[usize], repeats: usize) -> Result<()> {
+/// non-graph step (CUDA events around each op) at 4,096 and 32,768 tokens of context; with `trace`, the
+/// in-kernel trace of one graph step at the first context (see `print_trace`).
+pub fn bench(c: &Config, ctxs: &[usize], repeats: usize, trace: bool) -> Result<()> {
     anyhow::ensure!(!ctxs.is_empty() && repeats > 0, "bench needs at least one context and one repeat");
     let max_ctx = ctxs.iter().max().unwrap() + 256;
     let t0 = std::time::Instant::now();
@@ -57,6 +58,16 @@ pub fn bench(c: &Config, ctxs: &[usize], repeats: usize) -> Result<()> {
         let tps = 1e6 / us;
         println!("{ctx:>8} {us:>10.1} {tps:>9.1} {:>10.1} {ceil:>9.0} {:>5.1}%", bytes / 1e6, 100.0 * tps / ceil);
         rows.push((ctx, us, times));
+    }
+    if trace {
+        seq.st.set_len(&g, ctxs[0])?;
+        seq.st.step_graph(m)?;
+        g.trace_enable(true)?;
+        seq.st.set_len(&g, ctxs[0])?;
+        seq.st.step_graph(m)?;
+        g.stream.synchronize()?;
+        g.trace_enable(false)?;
+        print_trace(&g.trace_read()?, c)?;
     }
     let tok = g.download(&seq.st.tok)?;
     println!("last greedy token {} (sanity: inside vocab {})", tok[0], (tok[0] as usize) < c.vocab_size);
@@ -194,5 +205,139 @@ fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) 
     show("lm_head", t, m.lm_head.bytes());
     let t = graph_time(g, n, &mut || g.embed(&m.embed, &st.tok, &mut st.x))?;
     show("embed", t, 0);
+    Ok(())
+}
+
+/// One traced graph step: per launch (grouped in the order their waits returned), when its first block entered,
+/// when its waits returned (first, last), when its last block left; then totals per kernel family, with the
+/// slowest block's time from wait to mark 1, mark 1 to mark 2 and mark 2 to exit where the kernel marks them.
+fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
+    let mut r = recs.to_vec();
+    r.sort_by_key(|x| x.wait);
+    anyhow::ensure!(!r.is_empty(), "trace: no records");
+    let t0 = r.iter().map(|x| x.pre).min().unwrap();
+    let name = |code: u32| match code {
+        1 => "embed",
+        2 => "argmax_partial",
+        3 => "argmax_final",
+        10 => "gemv_reg",
+        11 => "router_topk",
+        12 => "gemv_tma",
+        20 => "gdn_step",
+        30 => "attn_prep",
+        31 => "attn_decode",
+        32 => "attn_decode_kv",
+        33 => "attn_combine",
+        40 => "moe_topk",
+        41 => "moe_gate_up",
+        42 => "moe_down",
+        _ => "?",
+    };
+    struct L {
+        n: usize,
+        pre: u64,
+        w0: u64,
+        w1: u64,
+        end: u64,
+        marks: [u64; 3],
+    }
+    let mut launches: Vec<(u32, L)> = Vec::new();
+    let mut i = 0;
+    while i < r.len() {
+        let n = (r[i].nblocks as usize).max(1);
+        let g = &r[i..(i + n).min(r.len())];
+        let code = r[i].code;
+        anyhow::ensure!(g.iter().all(|x| x.code == code), "trace: launch grouping broke at record {i}");
+        let mut marks = [0u64; 3];
+        for x in g {
+            if x.m1 > 0 && x.m2 > 0 {
+                marks[0] = marks[0].max(x.m1.saturating_sub(x.wait));
+                marks[1] = marks[1].max(x.m2.saturating_sub(x.m1));
+                marks[2] = marks[2].max(x.end.saturating_sub(x.m2));
+            }
+        }
+        launches.push((
+            code,
+            L {
+                n,
+                pre: g.iter().map(|x| x.pre).min().unwrap() - t0,
+                w0: g.iter().map(|x| x.wait).min().unwrap() - t0,
+                w1: g.iter().map(|x| x.wait).max().unwrap() - t0,
+                end: g.iter().map(|x| x.end).max().unwrap() - t0,
+                marks,
+            },
+        ));
+        i += n;
+    }
+    let mut fam: Vec<String> = Vec::new();
+    let mut layer = 0usize;
+    for (code, _) in &launches {
+        let f = match code {
+            12 | 10 => {
+                let prev = fam.last().map(|s| s.as_str()).unwrap_or("");
+                match (prev, c.layer_types.get(layer)) {
+                    ("gdn_step", _) => "gdn_out_proj",
+                    ("attn_combine", _) => "attn_o_proj",
+                    (_, Some(LayerKind::Linear)) => "gdn_in_proj",
+                    (_, Some(LayerKind::Full)) => "attn_qkv",
+                    _ => "lm_head",
+                }
+            }
+            _ => name(*code),
+        };
+        if *code == 42 {
+            layer += 1;
+        }
+        fam.push(f.to_string());
+    }
+    println!("trace of one graph step (ns from the first block's entry; wait = griddepcontrol.wait returned):");
+    println!(
+        "  {:>3} {:<16} {:>6} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7}",
+        "#", "kernel", "blocks", "entry", "wait0", "wait1", "end", "gap", "run", "w-m1", "m1-m2", "m2-end"
+    );
+    let mut prev_end = 0u64;
+    let mut tot: Vec<(String, u64, u64, usize, [u64; 3])> = Vec::new();
+    for (k, ((_, l), f)) in launches.iter().zip(&fam).enumerate() {
+        let gap = l.w0.saturating_sub(prev_end);
+        let run = l.end.saturating_sub(l.w0);
+        if k < 16 || k + 3 >= launches.len() || (f.starts_with("attn") && k < 50) {
+            println!(
+                "  {k:>3} {f:<16} {:>6} {:>9} {:>9} {:>9} {:>9} {gap:>7} {run:>7} {:>7} {:>7} {:>7}",
+                l.n, l.pre, l.w0, l.w1, l.end, l.marks[0], l.marks[1], l.marks[2]
+            );
+        }
+        match tot.iter_mut().find(|t| &t.0 == f) {
+            Some(t) => {
+                t.1 += gap;
+                t.2 += run;
+                t.3 += 1;
+                for j in 0..3 {
+                    t.4[j] += l.marks[j];
+                }
+            }
+            None => tot.push((f.clone(), gap, run, 1, l.marks)),
+        }
+        prev_end = l.end;
+    }
+    let (sg, sr) = tot.iter().fold((0u64, 0u64), |a, t| (a.0 + t.1, a.1 + t.2));
+    println!(
+        "  step: {} launches, {:.1} us from first entry to last exit; waits after the previous exit {:.1} us, runs {:.1} us",
+        launches.len(),
+        prev_end as f64 / 1e3,
+        sg as f64 / 1e3,
+        sr as f64 / 1e3
+    );
+    for (f, g, r, n, m) in &tot {
+        let per = |v: u64| v as f64 / 1e3 / *n as f64;
+        println!(
+            "  {f:<16} {n:>4} launches  gap {:>6.2}  run {:>6.2} us/launch (w-m1 {:>5.2} m1-m2 {:>5.2} m2-end {:>5.2})  total {:>7.1} us",
+            per(*g),
+            per(*r),
+            per(m[0]),
+            per(m[1]),
+            per(m[2]),
+            (*g + *r) as f64 / 1e3
+        );
+    }
     Ok(())
 }

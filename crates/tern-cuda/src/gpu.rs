@@ -10,6 +10,19 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+/// One block's step-trace record (common.cuh `TraceRec`): %globaltimer ns at entry, when the dependency wait
+/// returned, at the kernel's two optional marks (0 if unmarked) and at exit.
+#[derive(Clone, Copy, Debug)]
+pub struct TraceRec {
+    pub pre: u64,
+    pub wait: u64,
+    pub m1: u64,
+    pub m2: u64,
+    pub end: u64,
+    pub code: u32,
+    pub nblocks: u32,
+}
+
 /// A quantised matrix on the device (MLX affine, bf16 scales/biases kept as raw u16 bits).
 pub struct QMat {
     pub rows: usize,
@@ -24,7 +37,7 @@ pub struct QMat {
 impl QMat {
     /// Bytes one full pass reads.
     pub fn bytes(&self) -> usize {
-        self.w.len() * 4 + (self.s.len() + self.b.len()) * 2
+        self.w.len() * 4 + self.rows * (self.cols / self.gs) * 4
     }
 }
 
@@ -56,7 +69,7 @@ macro_rules! funcs {
 }
 
 funcs! {
-    gemv_q4: "gemv", gemv_q8: "gemv", gemv_q4_r1: "gemv", gemv_q8_r1: "gemv",
+    gemv_tma_q4: "gemv", gemv_tma_q8: "gemv", gemv_tma_q4_r1: "gemv", gemv_tma_q8_r1: "gemv",
     router_topk_q8: "gemv", moe_topk: "moe", moe_gate_up: "moe", moe_down: "moe",
     gdn_step: "gdn",
     attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention",
@@ -162,6 +175,19 @@ pub struct Gpu {
 const BLOCKS_PER_SM: u32 = 4;
 /// Threads of the GEMV-like kernels (8 warps).
 const GEMV_THREADS: u32 = 256;
+/// Shared memory the streamed GEMV may use for its ring of weight stages: small enough that the next kernel's
+/// block fits on the same SM beside it (228 KB per SM).
+const TMA_RING_BUDGET: usize = 110 * 1024;
+/// Dynamic shared memory limit set on the streamed GEMV kernels.
+const TMA_SMEM_MAX: usize = 200 * 1024;
+/// Rows of x one moe_down block owns at most (DN_RB in moe.cu), and the largest k it takes (DN_MAXK + 1).
+const MOE_DOWN_RB: usize = 16;
+const MOE_DOWN_MAXK: usize = 17;
+/// Stages the streamed GEMV's ring holds at most (GT_MAXS in gemv.cu).
+const TMA_MAX_STAGES: usize = 4;
+/// Bytes a quantised matrix's scale and bias buffers carry past their end: the streamed GEMV copies them in
+/// 16-byte units.
+pub const SB_PAD: usize = 8;
 
 fn cfg(grid: (u32, u32), block: u32, smem: usize) -> LaunchConfig {
     LaunchConfig {
@@ -209,9 +235,57 @@ impl Gpu {
             modules.push((*name, m));
         }
         let f = Funcs::load(&modules)?;
+        for func in [&f.gemv_tma_q4, &f.gemv_tma_q8, &f.gemv_tma_q4_r1, &f.gemv_tma_q8_r1, &f.moe_down] {
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                TMA_SMEM_MAX as i32,
+            )?;
+        }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
         Ok(Arc::new(Gpu { ctx, stream, f, sms, pdl, _modules: modules.into_iter().map(|m| m.1).collect() }))
+    }
+
+    /// Turn the step trace on (emptying the trace buffers) or off in every module (common.cuh `KTrace`).
+    pub fn trace_enable(&self, on: bool) -> Result<()> {
+        for m in &self._modules {
+            let mut v = m.get_global("g_trace_on", &self.stream)?;
+            self.stream.memcpy_htod(&(on as i32).to_le_bytes(), &mut v)?;
+            if on {
+                let mut n = m.get_global("g_trace_n", &self.stream)?;
+                self.stream.memcpy_htod(&0u32.to_le_bytes(), &mut n)?;
+            }
+        }
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// The trace records of every module: (entry ns, wait-returned ns, exit ns, kernel code, grid blocks, SM).
+    pub fn trace_read(&self) -> Result<Vec<TraceRec>> {
+        let mut out = Vec::new();
+        for m in &self._modules {
+            let nv = m.get_global("g_trace_n", &self.stream)?;
+            let mut nb = [0u8; 4];
+            self.stream.memcpy_dtoh(&nv, &mut nb)?;
+            let tv = m.get_global("g_trace", &self.stream)?;
+            let mut raw = vec![0u8; tv.len()];
+            self.stream.memcpy_dtoh(&tv, &mut raw)?;
+            let n = (u32::from_le_bytes(nb) as usize).min(raw.len() / 56);
+            for r in raw.chunks_exact(56).take(n) {
+                let u64_at = |o: usize| u64::from_le_bytes(r[o..o + 8].try_into().unwrap());
+                let u32_at = |o: usize| u32::from_le_bytes(r[o..o + 4].try_into().unwrap());
+                out.push(TraceRec {
+                    pre: u64_at(0),
+                    wait: u64_at(8),
+                    m1: u64_at(16),
+                    m2: u64_at(24),
+                    end: u64_at(32),
+                    code: u32_at(40),
+                    nblocks: u32_at(44),
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// A launch of `func` (see [`KLaunch`]).
@@ -268,21 +342,53 @@ impl Gpu {
                 0
             }
         };
-        // 4 rows per warp when that still gives >= 2 blocks per SM, else 1 row per warp
-        let r4 = m.rows >= 64 * self.sms as usize;
+        self.gemv_tma(m, x, gain, z, hd, eps, y, y_off, accumulate)
+    }
+
+    /// [`Gpu::gemv`] through the streamed kernel (gemv_tma_*): weights copied into shared memory in stages of 8R
+    /// rows before the dependency wait. Shapes were checked by the caller; `hd` is 0 without the gated norm.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_tma(
+        &self,
+        m: &QMat,
+        x: &CudaSlice<f32>,
+        gain: Option<&CudaSlice<f32>>,
+        z: Option<(&CudaSlice<f32>, usize, usize)>,
+        hd: i32,
+        eps: f32,
+        y: &mut CudaSlice<f32>,
+        y_off: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let gshift = group_shift(m.gs, m.bits)?;
+        let ng = m.cols / m.gs;
+        ensure!(
+            m.s.len() >= m.rows * ng + SB_PAD && m.b.len() >= m.rows * ng + SB_PAD,
+            "gemv: scale/bias buffers must carry {SB_PAD} values of padding"
+        );
+        let sms = self.sms as usize;
+        // 4 rows per warp (32-row stages) when that still gives every SM two stages, else 1 row per warp
+        let r4 = m.rows.div_ceil(32) >= 2 * sms;
+        let sr = if r4 { 32 } else { 8 };
+        let nst = m.rows.div_ceil(sr);
+        let grid = nst.min(sms);
+        let rowb = m.cols * m.bits as usize / 8;
+        let stage = sr * rowb + 2 * (sr * ng * 2).div_ceil(16) * 16;
+        let per_block = nst.div_ceil(grid);
+        let nstages = (TMA_RING_BUDGET / stage).clamp(1, TMA_MAX_STAGES).min(per_block);
+        let nvec = m.cols * m.bits as usize / 128;
+        let smem = ((padx_len(m.cols) + nvec) * 4).div_ceil(128) * 128 + nstages * stage;
+        ensure!(smem <= TMA_SMEM_MAX, "gemv: {} x {} needs {smem} bytes of shared memory", m.rows, m.cols);
         let func = match (m.bits, r4) {
-            (4, true) => &self.f.gemv_q4,
-            (4, false) => &self.f.gemv_q4_r1,
-            (_, true) => &self.f.gemv_q8,
-            (_, false) => &self.f.gemv_q8_r1,
+            (4, true) => &self.f.gemv_tma_q4,
+            (4, false) => &self.f.gemv_tma_q4_r1,
+            (_, true) => &self.f.gemv_tma_q8,
+            (_, false) => &self.f.gemv_tma_q8_r1,
         };
-        let smem = (padx_len(m.cols) + m.cols / 16) * 4;
-        let tiles = if r4 { m.rows.div_ceil(4) } else { m.rows };
-        let c = cfg((self.grid_resident(func, tiles, smem), 1), GEMV_THREADS, smem);
-        let (rows, cols, gs, acc) = (m.rows as i32, m.cols as i32, group_shift(m.gs, m.bits)?, accumulate as i32);
+        let (rows, cols, acc, ns) = (m.rows as i32, m.cols as i32, accumulate as i32, nstages as i32);
         let yv = y.slice(y_off..);
         let mut l = self.launcher(func);
-        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gs).arg(x);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gshift).arg(x);
         match gain {
             Some(g) => l.arg(g),
             None => l.arg(&NULL),
@@ -292,10 +398,11 @@ impl Gpu {
             Some(v) => l.arg(v),
             None => l.arg(&NULL),
         };
-        l.arg(&hd).arg(&eps).arg(&yv).arg(&acc);
-        // SAFETY: argument list matches gemv_q4/q8 in gemv.cu; every buffer was checked above to hold the
-        // rows/cols the kernel reads and writes; shared memory is sized by padx_len(cols) + the chunk sums.
-        unsafe { l.launch(c) }?;
+        l.arg(&hd).arg(&eps).arg(&yv).arg(&acc).arg(&ns);
+        // SAFETY: argument list matches gemv_tma_* in gemv.cu; x, y, gain and z were checked by `gemv`; the bulk
+        // copies read whole rows of w (cols*bits/8 is a multiple of 16, checked by `gemv`) and at most 16 bytes
+        // past the scales/biases of the last row (padding checked above); shared memory = x + chunk sums + ring.
+        unsafe { l.launch(cfg((grid as u32, 1), GEMV_THREADS, smem)) }?;
         Ok(())
     }
 
@@ -360,6 +467,8 @@ impl Gpu {
         Ok(())
     }
 
+    /// `act[slot] = silu(G xn) * (U xn)` for the k routed experts `idx[..k]` and the shared one (slot k, expert
+    /// `n_experts`), xn = RMSNorm(x) * gain.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
@@ -383,8 +492,9 @@ impl Gpu {
         let c = cfg((self.grid_resident(&self.f.moe_gate_up, items.div_ceil(2), smem), 1), GEMV_THREADS, smem);
         let (words, groups) = (gu.words as i64, gu.groups as i64);
         let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, group_shift(gu.gs, 4)?);
+        let ei = n_experts as i32;
         let mut l = self.launcher(&self.f.moe_gate_up);
-        l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(idx).arg(&ki).arg(&ii).arg(&isi);
+        l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(idx).arg(&ki).arg(&ei).arg(&ii).arg(&isi);
         l.arg(&hi).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*act);
         // SAFETY: matches moe_gate_up in moe.cu; idx entries are < n_experts+1 (written by moe_topk), the expert
         // buffer holds n_experts routed experts plus the shared one (checked above).
@@ -392,6 +502,7 @@ impl Gpu {
         Ok(())
     }
 
+    /// `x += Σ_slot wts[slot] · D_{idx[slot]} act[slot]` over the k routed experts and the shared one (slot k).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
@@ -408,20 +519,28 @@ impl Gpu {
         let imax = i.max(is);
         ensure!(idx.len() > k && wts.len() > k && act.len() >= (k + 1) * imax, "moe_down: shapes");
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down: expert buffer too short");
-        let smem = (k + 1) * (padx_len(imax) + imax / 32) * 4;
-        ensure!(i % 32 == 0 && is % 32 == 0 && k < 32 && smem <= 48 * 1024, "moe_down: layout");
-        // lanes per output row: the power of two nearest the 16-byte chunks per row (I/32), at most 32
-        let lpr = (imax / 32).next_power_of_two().min(32);
-        let tiles = h.div_ceil(32 / lpr);
-        let c = cfg((self.grid_resident(&self.f.moe_down, tiles, smem), 1), GEMV_THREADS, smem);
+        ensure!(i % 32 == 0 && is % 32 == 0 && k < MOE_DOWN_MAXK, "moe_down: layout");
+        let gs = group_shift(down.gs, 4)?;
+        ensure!(down.gs <= i.min(is), "moe_down: group size {} over the inner size", down.gs);
+        ensure!(
+            (k + 1) * MOE_DOWN_RB * (imax / down.gs) <= 8 * 256 && (k + 1) * imax / 4 <= 8 * 256,
+            "moe_down: k {k} / inner size {imax} over the kernel's staging registers"
+        );
+        // rows per block <= DN_RB (moe.cu)
+        let grid = h.min(self.sms as usize).max(h.div_ceil(MOE_DOWN_RB));
+        let ngm = imax / down.gs;
+        let smem =
+            (k + 1) * MOE_DOWN_RB * imax / 2 + 4 * ((k + 1) * (padx_len(imax) + imax / 32 + 2 * MOE_DOWN_RB * ngm));
+        ensure!(smem <= TMA_SMEM_MAX, "moe_down: {smem} bytes of shared memory");
         let (words, groups) = (down.words as i64, down.groups as i64);
-        let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, group_shift(down.gs, 4)?);
-        let lpri = lpr as i32;
+        let (ki, ii, isi, hi) = (k as i32, i as i32, is as i32, h as i32);
         let mut l = self.launcher(&self.f.moe_down);
         l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(idx).arg(wts).arg(&ki).arg(&ii);
-        l.arg(&isi).arg(&hi).arg(&gs).arg(&lpri).arg(act).arg(&*x);
-        // SAFETY: matches moe_down in moe.cu; shapes checked above; x has H values, each row written by one warp.
-        unsafe { l.launch(c) }?;
+        l.arg(&isi).arg(&hi).arg(&gs).arg(act).arg(&*x);
+        // SAFETY: matches moe_down in moe.cu; shapes checked above; idx entries are < n_experts+1 (router), so the
+        // bulk copies stay inside the expert buffer (whole rows: n/2 bytes, a multiple of 16); each block writes its
+        // own rows of x; shared memory sized as the kernel lays it out.
+        unsafe { l.launch(cfg((grid as u32, 1), GEMV_THREADS, smem)) }?;
         Ok(())
     }
 

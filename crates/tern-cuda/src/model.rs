@@ -68,8 +68,9 @@ pub fn stack(gpu: &Gpu, ms: &[&QuantMatrix], what: &str) -> Result<QMat> {
     }
     let rows = ms.iter().map(|m| m.rows()).sum();
     let w: Vec<u32> = ms.iter().flat_map(|m| m.packed().iter().copied()).collect();
-    let s: Vec<u16> = ms.iter().flat_map(|m| m.scales().iter().map(|v| v.to_bits())).collect();
-    let b: Vec<u16> = ms.iter().flat_map(|m| m.biases().iter().map(|v| v.to_bits())).collect();
+    let pad = std::iter::repeat_n(0u16, crate::gpu::SB_PAD);
+    let s: Vec<u16> = ms.iter().flat_map(|m| m.scales().iter().map(|v| v.to_bits())).chain(pad.clone()).collect();
+    let b: Vec<u16> = ms.iter().flat_map(|m| m.biases().iter().map(|v| v.to_bits())).chain(pad).collect();
     Ok(QMat {
         rows,
         cols: f.cols(),
@@ -173,8 +174,8 @@ impl DeviceModel {
         let qmat = |rows: usize, cols: usize, bits: u32, unit: bool| -> Result<QMat> {
             let gs = 64;
             let mut w = g.zeros::<u32>(rows * cols * bits as usize / 32)?;
-            let mut s = g.zeros::<u16>(rows * cols / gs)?;
-            let mut b = g.zeros::<u16>(rows * cols / gs)?;
+            let mut s = g.zeros::<u16>(rows * cols / gs + crate::gpu::SB_PAD)?;
+            let mut b = g.zeros::<u16>(rows * cols / gs + crate::gpu::SB_PAD)?;
             g.fill_random_u32(&mut w, next())?;
             let levels = ((1u32 << bits) - 1) as f32;
             let std_q = ((levels + 1.0) * (levels + 1.0) - 1.0).sqrt() / 12f32.sqrt();

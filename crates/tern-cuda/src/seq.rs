@@ -86,8 +86,8 @@ impl DeviceState {
             }
         }
         // flash-decoding splits: ~4 blocks per SM at long context (2 kv heads); short contexts use fewer
-        // (the kernel puts at least 32 keys in a split and leaves the rest empty)
-        let nsplit = (max_ctx / 128).clamp(1, 256);
+        // (the kernel puts at least 16 keys in a split and leaves the rest empty)
+        let nsplit = (max_ctx / 16).clamp(1, 256);
         let k = c.num_experts_per_tok;
         let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
         let nb = g.argmax_blocks();

@@ -24,17 +24,18 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
                                      const float* __restrict__ kn, const int* __restrict__ pos_ptr, int nh, int nkv,
                                      int hd, int rd, float theta, float eps, float* __restrict__ qbuf,
                                      __nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc) {
-    pdl_wait();
+    KTRACE(30);
     __shared__ float red[32];
     __shared__ float xs[256];
     const int bh = blockIdx.x, d = threadIdx.x;
-    const int pos = *pos_ptr;
     const bool is_q = bh < nh;
     const int kvh = bh - nh;
+    const float gd = (is_q ? qn : kn)[d];  // a weight: read before the dependency wait
+    pdl_wait();
+    const int pos = *pos_ptr;
     float x = is_q ? proj[bh * 2 * hd + d] : proj[nh * 2 * hd + kvh * hd + d];
     float ss = block_sum(d < hd ? x * x : 0.f, red);
-    const float* g = is_q ? qn : kn;
-    float y = x * rsqrtf(ss / hd + eps) * g[d];
+    float y = x * rsqrtf(ss / hd + eps) * gd;
     xs[d] = y;
     __syncthreads();
     const int half = rd / 2;
@@ -55,7 +56,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
 }
 
 #define ATT_T 8          // keys per batch: their K and V loads are all in flight before the first use
-#define ATT_MIN_SPLIT 32  // at least this many keys per split (short contexts use fewer, fuller splits)
+#define ATT_MIN_SPLIT 16  // at least this many keys per split (short contexts use fewer, fuller splits)
 
 __device__ __forceinline__ void bf16x8(uint4 v, float (&f)[8]) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -69,6 +70,7 @@ __device__ __forceinline__ void bf16x8(uint4 v, float (&f)[8]) {
 extern "C" __global__ void attn_decode(const float* __restrict__ qbuf, const __nv_bfloat16* __restrict__ kc,
                                        const __nv_bfloat16* __restrict__ vc, const int* __restrict__ pos_ptr, int nh,
                                        int nkv, int hd, float scale, float* __restrict__ part) {
+    KTRACE(31);
     pdl_wait();
     // lane owns dims 8*lane .. 8*lane+7 (one 16-byte bf16 load per K/V row); the warps of a block (the query heads
     // of one kv head) read the same K/V rows, which L1 serves after the first.
@@ -188,9 +190,18 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = nh / nkv;
     pdl_wait();
-    for (int i = threadIdx.x; i < AKV_G * 256; i += blockDim.x) {
-        const int g = i >> 8, d = i & 255;
-        qs[i] = (g < group && d < hd) ? qbuf[(kvh * group + g) * hd + d] * scale : 0.f;
+    {
+        // q of the group into smem: all loads first (one round trip)
+        constexpr int NQ = AKV_G * 256 / (32 * AKV_W);
+        float qv[NQ];
+#pragma unroll
+        for (int j = 0; j < NQ; j++) {
+            const int i = threadIdx.x + 32 * AKV_W * j;
+            const int g = i >> 8, d = i & 255;
+            qv[j] = (g < group && d < hd) ? qbuf[(kvh * group + g) * hd + d] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < NQ; j++) qs[threadIdx.x + 32 * AKV_W * j] = qv[j] * scale;
     }
     const int len = *pos_ptr + 1;
     const int chunk = max((len + nsplit - 1) / nsplit, ATT_MIN_SPLIT);
@@ -321,11 +332,13 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
 extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv(
     const float* __restrict__ qbuf, const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc,
     const int* __restrict__ pos_ptr, int nh, int nkv, int hd, float scale, float* __restrict__ part) {
+    KTRACE(32);
     attn_decode_kv_body<true>(qbuf, kc, vc, pos_ptr, nh, nkv, hd, scale, part);
 }
 
 extern "C" __global__ void attn_combine(const float* __restrict__ part, const float* __restrict__ proj, int nsplit,
                                         int hd, float* __restrict__ o) {
+    KTRACE(33);
     pdl_wait();
     // nsplit <= 1024. Non-empty splits form a prefix 0..na (attn_decode); the block's threads are
     // blockDim/hd groups, each summing an interleaved subset of the splits for every dim d, merged in smem.

@@ -12,9 +12,76 @@
 // that no kernel of the last two launches writes (weights, constants, state of this layer from the previous
 // token); pdl_wait() returns once the previous kernel has completed (hence all earlier ones), then lets the
 // next kernel launch. Without the launch attribute both instructions are no-ops.
+// Step trace (`tern bench --trace`; off unless the host sets g_trace_on): every traced kernel's blocks append
+// {entry time, time pdl_wait returned, exit time} (%globaltimer, ns) to this module's g_trace.
+struct TraceRec {
+    unsigned long long pre, wait, m1, m2, end;
+    unsigned int code, nblocks, sm, pad;
+};
+#define TRACE_CAP 32768
+__device__ TraceRec g_trace[TRACE_CAP];
+__device__ unsigned int g_trace_n;
+__device__ int g_trace_on;
+__device__ __forceinline__ unsigned long long gtime() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned long long& trace_wait_time() {
+    __shared__ unsigned long long t;
+    return t;
+}
+// Optional intermediate marks (thread 0's time at two points of the kernel; 0 when not marked).
+__device__ __forceinline__ unsigned long long* trace_marks() {
+    __shared__ unsigned long long t[2];
+    return t;
+}
+__device__ __forceinline__ void trace_mark(int i) {
+    if (threadIdx.x == 0 && *(volatile int*)&g_trace_on) trace_marks()[i] = gtime();
+}
+__device__ __forceinline__ unsigned int smid() {
+    unsigned int r;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+    return r;
+}
+struct KTrace {
+    unsigned long long pre;
+    unsigned int code;
+    bool on;
+    __device__ explicit KTrace(unsigned int c) : pre(0), code(c), on(*(volatile int*)&g_trace_on != 0) {
+        if (on) {
+            pre = gtime();
+            if (threadIdx.x == 0) trace_marks()[0] = trace_marks()[1] = 0;
+        }
+    }
+    __device__ ~KTrace() {
+        if (!on) return;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned long long end = gtime();
+            const unsigned int i = atomicAdd(&g_trace_n, 1u);
+            if (i < TRACE_CAP) {
+                TraceRec r;
+                r.pre = pre;
+                r.wait = trace_wait_time();
+                r.m1 = trace_marks()[0];
+                r.m2 = trace_marks()[1];
+                r.end = end;
+                r.code = code;
+                r.nblocks = gridDim.x * gridDim.y * gridDim.z;
+                r.sm = smid();
+                r.pad = 0;
+                g_trace[i] = r;
+            }
+        }
+    }
+};
+#define KTRACE(code) KTrace ktrace_(code)
+
 __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (threadIdx.x == 0 && *(volatile int*)&g_trace_on) trace_wait_time() = gtime();
 }
 
 // Prefetch `bytes` (a multiple of 128) starting at p into L2, spread over a warp's lanes.
@@ -173,14 +240,43 @@ __device__ __forceinline__ void warp_rows_dot(const uint4* const (&wr)[R], const
     }
 }
 
+// The gain of a GEMV prologue's norm, loaded into registers BEFORE the dependency wait (it is a weight): per
+// thread the NV float4s of columns 4*(tid + 256 j) (RMSNorm over cols), or, for the gated per-head norm, the gain
+// of those columns' positions within their head (gain[(4c) % hd ..]). Loading it after the wait put a DRAM round
+// trip (slow while other kernels stream weights) on every kernel's critical path.
+struct GainRegs {
+    float4 g[8];
+};
+__device__ __forceinline__ GainRegs load_gain(const float* __restrict__ gain, const float* __restrict__ z, int hd,
+                                              int cols) {
+    GainRegs r;
+    const int n4 = cols >> 2;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int c4 = threadIdx.x + 256 * j;
+        r.g[j] = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (gain != nullptr && c4 < n4) {
+            if (z == nullptr) {
+                r.g[j] = reinterpret_cast<const float4*>(gain)[c4];
+            } else {
+                const int jj = (4 * c4) % hd;
+                r.g[j] = make_float4(gain[jj], gain[jj + 1], gain[jj + 2], gain[jj + 3]);
+            }
+        }
+    }
+    return r;
+}
+
 // Prologue of the GEMV-like kernels (blockDim.x == 256, cols % 4 == 0, cols <= 8192): stages xn * xscale into
-// padded smem `xs` (xscale = DN_XSCALE for the denormal decode, 1 for the magic-number one) and the sums of xn over chunks of `cpv` columns into `cs`, where xn is
+// padded smem `xs` (xscale = DN_XSCALE for the denormal decode, 1 for the magic-number one) and the sums of xn over
+// chunks of `cpv` columns into `cs`, where xn is
 //   x                                      (gain == nullptr),
 //   RMSNorm(x) * gain                      (gain given, z == nullptr),
 //   RMSNorm(x_h) * gain[j] * silu(z) per head of hd columns (gain and z given; hd/4 a power of two <= 32).
-// Each thread loads its float4s of x (and z) up front (one round trip), norms reduce in registers/shuffles, chunk
-// sums by shuffles over the cpv/4 threads that own a chunk; ends with one barrier.
-__device__ __forceinline__ void stage_x(const float* __restrict__ x, const float* __restrict__ gain,
+// `gr` holds the gain (load_gain, before the wait); `gain` only says whether there is one. Each thread loads its
+// float4s of x (and z) up front (one round trip), norms reduce in registers/shuffles, chunk sums by shuffles over
+// the cpv/4 threads that own a chunk; ends with one barrier.
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainRegs& gr, const float* gain,
                                         const float* __restrict__ z, int hd, float eps, int cols, int cpv,
                                         float* xs, float* cs, float* red, float xscale = DN_XSCALE) {
     constexpr int NV = 8;  // float4s per thread: 8 * 4 * 256 = 8192 columns
@@ -202,11 +298,8 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, const float
         const float r = rsqrtf(block_sum(ss, red) / cols + eps);
 #pragma unroll
         for (int j = 0; j < NV; j++) {
-            const int c4 = tid + 256 * j;
-            if (c4 < n4) {
-                const float4 g = reinterpret_cast<const float4*>(gain)[c4];
-                v[j] = make_float4(v[j].x * r * g.x, v[j].y * r * g.y, v[j].z * r * g.z, v[j].w * r * g.w);
-            }
+            const float4 g = gr.g[j];
+            v[j] = make_float4(v[j].x * r * g.x, v[j].y * r * g.y, v[j].z * r * g.z, v[j].w * r * g.w);
         }
     } else if (z != nullptr) {
         const int tph = hd >> 2;  // threads per head (consecutive lanes of one warp)
@@ -217,10 +310,9 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, const float
             const int c4 = tid + 256 * j;
             if (c4 < n4) {
                 const float r = rsqrtf(ss / hd + eps);
-                const int jj = (4 * c4) % hd;
-                const float g0 = gain[jj], g1 = gain[jj + 1], g2 = gain[jj + 2], g3 = gain[jj + 3];
-                v[j] = make_float4(v[j].x * r * g0 * silu_f(zv[j].x), v[j].y * r * g1 * silu_f(zv[j].y),
-                                   v[j].z * r * g2 * silu_f(zv[j].z), v[j].w * r * g3 * silu_f(zv[j].w));
+                const float4 g = gr.g[j];
+                v[j] = make_float4(v[j].x * r * g.x * silu_f(zv[j].x), v[j].y * r * g.y * silu_f(zv[j].y),
+                                   v[j].z * r * g.z * silu_f(zv[j].z), v[j].w * r * g.w * silu_f(zv[j].w));
             }
         }
     }
@@ -287,3 +379,41 @@ __device__ __forceinline__ void topk_warp(const float* logits, int E, int k, int
     }
 }
 
+
+// ---- bulk copies (TMA, 1-D) into shared memory, completed on an mbarrier ----
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+// Make initialised barriers visible to the async (TMA) proxy; follow with __syncthreads().
+__device__ __forceinline__ void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+// One arrival that also expects `bytes` of bulk-copy transactions on this phase.
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+// Spin until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// Global -> shared bulk copy of `bytes` (multiple of 16; both addresses 16-byte aligned), counted on `bar`.
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+// Order earlier generic-proxy accesses to shared memory before later bulk copies into it.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }

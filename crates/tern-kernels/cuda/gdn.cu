@@ -17,17 +17,21 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     const float* __restrict__ proj, const float* __restrict__ conv_w, float* __restrict__ ring,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
     float* __restrict__ out, const int* __restrict__ pos_ptr, int Hk, int Hv, int dk, int dv, int K) {
-    __shared__ float red[32];
+    KTRACE(20);
+    __shared__ float red[2][4];
     __shared__ float qs[128], ks[128];
     __shared__ float part[4][32];
     const int h = blockIdx.x, chunk = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int pos = *pos_ptr;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, Vd = Hv * dv;
     const int kh = h / (Hv / Hk);
     const int col = chunk * 32 + lane;
     const bool active = col < dv;
-    // The state does not depend on this step's inputs: issue its loads first so they overlap the conv/norm chain.
+    // Everything that does not depend on this step's projections is read before the dependency wait: the state
+    // and the ring slots of earlier positions (this layer's, written by the previous token's step), the conv
+    // weights and the gate constants. pos is written by the previous step's last kernel (argmax), which has
+    // completed before this step's second kernel starts.
+    const int pos = *pos_ptr;
     float* S = state + (long)h * dk * dv;
     float sreg[MAXR];
 #pragma unroll
@@ -35,33 +39,52 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
         int i = warp + 4 * r;
         sreg[r] = (i < dk && active) ? S[i * dv + col] : 0.f;
     }
-    pdl_wait();  // proj comes from the previous kernel; the state is this layer's, from the previous token
     const int cur = pos % K;
-    // conv + SiLU of one channel; writes the ring slot of this position when `write`
-    auto conv = [&](int ch, bool write) {
-        float xin = proj[ch];
-        float acc = conv_w[ch * K + K - 1] * xin;
+    // conv over the K-1 earlier inputs of channel ch, and the weight of the current input
+    auto conv_past = [&](int ch, float& wlast) {
+        float acc = 0.f;
         for (int j = 0; j < K - 1; j++) acc += conv_w[ch * K + j] * ring[((pos + 1 + j) % K) * conv_dim + ch];
-        if (write) ring[cur * conv_dim + ch] = xin;
-        return silu_f(acc);
+        wlast = conv_w[ch * K + K - 1];
+        return acc;
     };
-    const bool owner_qk = (h % (Hv / Hk) == 0) && chunk == 0;
-    float q = 0.f, k = 0.f;
-    if (tid < dk) {
-        q = conv(kh * dk + tid, owner_qk);
-        k = conv(Kd + kh * dk + tid, owner_qk);
+    const bool has_qk = tid < dk;
+    const int chq = kh * dk + tid, chk = Kd + kh * dk + tid, chv = 2 * Kd + h * dv + col;
+    float pq = 0.f, pk = 0.f, pv = 0.f, wq = 0.f, wk = 0.f, wv = 0.f;
+    if (has_qk) {
+        pq = conv_past(chq, wq);
+        pk = conv_past(chk, wk);
     }
-    float sq = block_sum(q * q, red);
-    float sk = block_sum(k * k, red);
-    if (tid < dk) {
+    if (active) pv = conv_past(chv, wv);
+    const float alog = a_log[h], dtb = dt_bias[h];
+    pdl_wait();  // proj comes from the previous kernel
+    // all of this block's projection inputs in one round trip
+    const float xq = has_qk ? proj[chq] : 0.f, xk = has_qk ? proj[chk] : 0.f, xv = active ? proj[chv] : 0.f;
+    const float xb = proj[conv_dim + Vd + h], xa = proj[conv_dim + Vd + Hv + h];
+    const bool owner_qk = (h % (Hv / Hk) == 0) && chunk == 0;
+    if (has_qk && owner_qk) {
+        ring[cur * conv_dim + chq] = xq;
+        ring[cur * conv_dim + chk] = xk;
+    }
+    if (active && warp == 0) ring[cur * conv_dim + chv] = xv;  // each v channel belongs to one block
+    const float q = has_qk ? silu_f(fmaf(wq, xq, pq)) : 0.f;
+    const float k = has_qk ? silu_f(fmaf(wk, xk, pk)) : 0.f;
+    const float v = active ? silu_f(fmaf(wv, xv, pv)) : 0.f;
+    // both l2 norms in one block reduction
+    float sq = warp_sum(q * q), sk = warp_sum(k * k);
+    if (lane == 0) {
+        red[0][warp] = sq;
+        red[1][warp] = sk;
+    }
+    __syncthreads();
+    sq = red[0][0] + red[0][1] + red[0][2] + red[0][3];
+    sk = red[1][0] + red[1][1] + red[1][2] + red[1][3];
+    if (has_qk) {
         qs[tid] = q * rsqrtf(sq + 1e-6f) * rsqrtf((float)dk);
         ks[tid] = k * rsqrtf(sk + 1e-6f);
     }
-    float v = 0.f;
-    if (active) v = conv(2 * Kd + h * dv + col, warp == 0);  // each v channel belongs to one block; warp 0 writes
     __syncthreads();
-    const float beta = sigmoid_f(proj[conv_dim + Vd + h]);
-    const float decay = expf(-expf(a_log[h]) * softplus_f(proj[conv_dim + Vd + Hv + h] + dt_bias[h]));
+    const float beta = sigmoid_f(xb);
+    const float decay = expf(-expf(alog) * softplus_f(xa + dtb));
     float m = 0.f;
 #pragma unroll
     for (int r = 0; r < MAXR; r++) {

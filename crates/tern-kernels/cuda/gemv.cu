@@ -1,18 +1,17 @@
-// Quantised GEMV, batch 1 (decode): y = W x for an MLX affine 4-bit or 8-bit matrix W [rows, cols] (group gs,
-// a power of two, bf16 scales/biases), x f32 [cols], y f32 [rows]. x is staged once per block in shared memory
-// (padded 4 floats every 32, with per-16-byte-chunk sums of x for the bias term) by a fused prologue (stage_x in
-// common.cuh: one round of float4 loads, register/shuffle reductions, one barrier), 256 threads:
+// Quantised GEMV, batch 1 (decode): y = W xn for an MLX affine 4-bit or 8-bit matrix W [rows, cols] (group gs,
+// a power of two, bf16 scales/biases), x f32 [cols], y f32 [rows]. xn is staged once per block in shared memory
+// (padded 4 floats every 32, with per-16-byte-chunk sums for the bias term) by a fused prologue (stage_x in
+// common.cuh: one round of float4 loads, register/shuffle reductions, one barrier; the norm's gain is loaded
+// before the dependency wait), 256 threads:
 //   * plain copy of x;
 //   * RMSNorm: x * rsqrt(mean(x^2) + eps) * gain  (gain already holds the +1 of the (1+w) norms);
 //   * gated RMSNorm per head of `hd` values (Gated DeltaNet output): norm(x_h) * gain[j] * silu(z).
-// Main loop: a warp owns R consecutive rows (R = 4 for large matrices, 1 for small ones so the grid still covers
-// the chip); each lane keeps R*U 16-byte weight loads (ld.global.nc, no L1 allocation) in flight, then decodes
-// them against float4 reads of x (denormal decode, common.cuh: one LOP3 + one FFMA per weight). Grid-stride over
-// row tiles with the grid sized to the resident capacity (occupancy query on the host), so the prologue runs
-// once per resident block. Before pdl_wait() (programmatic dependent launch) each warp prefetches its first row
-// tile into L2 while the previous kernel finishes.
-// Epilogue: y = acc, or y += acc (residual add, each row owned by one warp).
-// router_topk_q8: the router GEMV with moe_topk fused into the last block (see moe.cu for the top-k).
+// Epilogue: y = acc, or y += acc (residual add, each row owned by one warp). Decode of the codes: denormal trick,
+// common.cuh (one LOP3 + one FFMA per weight).
+// gemv_tma_*   : the decode step's GEMVs (every projection and lm_head), weights streamed through shared memory by
+//                bulk copies issued before the dependency wait (see below).
+// router_topk_q8: the router GEMV (registers, grid-stride, weights prefetched into L2 before the wait) with the
+//                top-k fused into the last block (see moe.cu for the top-k).
 // Bytes per call: rows*cols*BITS/8 + rows*(cols/gs)*4 (+ 4*cols per block for x, from L2).
 // FLOPs per call: 2*rows*cols (+ 4 per 16-byte chunk for the affine correction).
 #include "common.cuh"
@@ -27,18 +26,23 @@ __device__ void gemv_body(const uint32_t* __restrict__ w, const __nv_bfloat16* _
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     constexpr int CPV = 128 / BITS;
     const int nvec = cols / CPV;
+    const int ngroups = cols >> (gshift + (BITS == 4 ? 5 : 4));
     {
-        // before the dependency wait: pull this warp's first row tile into L2 (weights never change)
-        const long t0 = (long)blockIdx.x * nw + warp;
-        if (t0 * R < rows) {
+        // before the dependency wait: pull this warp's row tiles (weights, scales, biases) into L2 (weights never
+        // change) while the previous kernel finishes: all of them when the matrix fits easily in L2 (<= 32 MB),
+        // else only the first (lm_head: prefetched lines would be evicted before use and read twice)
+        const bool all = (long)rows * nvec * 16 <= (32l << 20);
+        for (long t0 = (long)blockIdx.x * nw + warp; t0 * R < rows; t0 += all ? (long)gridDim.x * nw : (long)rows) {
             const long nr = min((long)R, rows - t0 * R);
             prefetch_l2(reinterpret_cast<const uint4*>(w) + t0 * R * nvec, nr * nvec * 16, lane);
+            prefetch_l2(s + t0 * R * ngroups, nr * ngroups * 2, lane);
+            prefetch_l2(b + t0 * R * ngroups, nr * ngroups * 2, lane);
         }
     }
+    const GainRegs gr = load_gain(gain, z, hd, cols);
     pdl_wait();
     float* cs = xs + padx_len(cols);
-    stage_x(x, gain, z, hd, eps, cols, CPV, xs, cs, red, DN ? DN_XSCALE : 1.f);
-    const int ngroups = cols >> (gshift + (BITS == 4 ? 5 : 4));
+    stage_x(x, gr, gain, z, hd, eps, cols, CPV, xs, cs, red, DN ? DN_XSCALE : 1.f);
     const uint4* w4 = reinterpret_cast<const uint4*>(w);
     const int tiles = (rows + R - 1) / R;
     for (int t = blockIdx.x * nw + warp; t < tiles; t += gridDim.x * nw) {
@@ -64,12 +68,124 @@ __device__ void gemv_body(const uint32_t* __restrict__ w, const __nv_bfloat16* _
     }
 }
 
+// Streamed GEMV (gemv_tma_*): the same y = W xn with the same prologue and epilogue options, but the weights
+// reach shared memory through bulk copies (TMA, cp.async.bulk) issued BEFORE the dependency wait, so that a
+// matrix's bytes stream in while the previous kernel is still running. One block of 8 warps per SM at most
+// (grid <= #SMs, shared memory <= ~120 KB so the next kernel's block can sit beside it and do the same).
+// Rows are cut into stages of SR = 8*R rows (warp w owns rows w*R..w*R+R-1 of a stage); the matrix's stages
+// are split evenly over the blocks (contiguous ranges); a block keeps S stages in a ring: stage i goes to slot
+// i % S, completion on mbarrier full[slot] (phase parity (i / S) & 1); after every warp has used a slot
+// (__syncthreads), thread 0 refills it with stage i + S. Stage slot layout: SR rows of packed codes | SR*ng
+// bf16 scales (rounded up to 16 bytes) | SR*ng bf16 biases (same). Requirements: cols*BITS/8 % 16 == 0, the
+// scale/bias buffers readable 16 bytes past their end (model.rs pads them), S <= GT_MAXS.
+// Bytes per call: rows*cols*BITS/8 + 4*rows*cols/gs (+ 4*cols per block for x, from L2).
+// FLOPs per call: 2*rows*cols.
+#define GT_MAXS 4
+
+template <int BITS, int R>
+__device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                              const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift,
+                              const float* __restrict__ x, const float* __restrict__ gain,
+                              const float* __restrict__ z, int hd, float eps, float* __restrict__ y, int accumulate,
+                              int S) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[GT_MAXS];
+    __shared__ float red[32];
+    constexpr int CPV = 128 / BITS;
+    constexpr int SR = 8 * R;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nvec = cols / CPV;
+    const int ng = cols >> (gshift + (BITS == 4 ? 5 : 4));
+    const int rowb = nvec * 16;
+    const int sbb_full = (SR * ng * 2 + 15) & ~15;
+    const int stage_bytes = SR * rowb + 2 * sbb_full;
+    float* xs = reinterpret_cast<float*>(smem);
+    float* cs = xs + padx_len(cols);
+    unsigned char* ring = smem + (((padx_len(cols) + nvec) * 4 + 127) & ~127);
+    const int nst = (rows + SR - 1) / SR;
+    const int st0 = (int)((long)nst * blockIdx.x / gridDim.x);
+    const int my = (int)((long)nst * (blockIdx.x + 1) / gridDim.x) - st0;
+    auto issue = [&](int i) {  // thread 0: stage st0 + i into slot i % S
+        const int slot = i % S;
+        unsigned char* d = ring + (long)slot * stage_bytes;
+        const long r0 = (long)(st0 + i) * SR;
+        const int nr = (int)min((long)SR, rows - r0);
+        const uint32_t wb = (uint32_t)nr * rowb, sbb = (uint32_t)((nr * ng * 2 + 15) & ~15);
+        mbar_expect_tx(&full[slot], wb + 2 * sbb);
+        bulk_g2s(d, reinterpret_cast<const unsigned char*>(w) + r0 * rowb, wb, &full[slot]);
+        bulk_g2s(d + SR * rowb, s + r0 * ng, sbb, &full[slot]);
+        bulk_g2s(d + SR * rowb + sbb_full, b + r0 * ng, sbb, &full[slot]);
+    };
+    if (tid == 0) {
+        for (int i = 0; i < S; i++) mbar_init(&full[i], 1);
+        mbar_fence_init();
+        for (int i = 0; i < min(S, my); i++) issue(i);  // weights are constants: safe before the wait
+    }
+    const GainRegs gr = load_gain(gain, z, hd, cols);
+    __syncthreads();
+    pdl_wait();
+    stage_x(x, gr, gain, z, hd, eps, cols, CPV, xs, cs, red, DN_XSCALE);
+    trace_mark(0);
+    for (int i = 0; i < my; i++) {
+        const int slot = i % S;
+        mbar_wait(&full[slot], (uint32_t)(i / S) & 1u);
+        if (i == 0) trace_mark(1);
+        const unsigned char* d = ring + (long)slot * stage_bytes;
+        const uint4* ws = reinterpret_cast<const uint4*>(d) + warp * R * nvec;
+        const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(d + SR * rowb) + warp * R * ng;
+        const __nv_bfloat16* bb = reinterpret_cast<const __nv_bfloat16*>(d + SR * rowb + sbb_full) + warp * R * ng;
+        float tot[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) tot[r] = 0.f;
+#pragma unroll 2
+        for (int u = lane; u < nvec; u += 32) {
+            const int g = u >> gshift;
+            uint4 wv[R];
+            float sc[R], bs[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                wv[r] = ws[r * nvec + u];
+                sc[r] = bf(ss[r * ng + g]);
+                bs[r] = bf(bb[r * ng + g]);
+            }
+            chunk_dot<BITS, R, true>(wv, xs + padx(u * CPV), sc, bs, cs[u], tot);
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float acc = warp_sum(tot[r]);
+            const long row = (long)(st0 + i) * SR + warp * R + r;
+            if (lane == r && row < rows) y[row] = accumulate ? y[row] + acc : acc;
+        }
+        if (i + S < my) {
+            __syncthreads();  // every warp is done reading this slot
+            if (tid == 0) {
+                fence_proxy_async();
+                issue(i + S);
+            }
+        }
+    }
+}
+
+#define GEMV_TMA_KERNEL(name, BITS, R)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(                                                     \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,         \
+        const float* x, const float* gain, const float* z, int hd, float eps, float* y, int accumulate, int S) {   \
+        KTRACE(12);                                                                                                \
+        gemv_tma_body<BITS, R>(w, s, b, rows, cols, gshift, x, gain, z, hd, eps, y, accumulate, S);               \
+    }
+
+GEMV_TMA_KERNEL(gemv_tma_q4, 4, 4)
+GEMV_TMA_KERNEL(gemv_tma_q4_r1, 4, 1)
+GEMV_TMA_KERNEL(gemv_tma_q8, 8, 4)
+GEMV_TMA_KERNEL(gemv_tma_q8_r1, 8, 1)
+
 // Router GEMV (8-bit, one row per warp) with the top-k fused as a tail: the last block to finish (device-wide
 // counter, reset by that block, so the kernel can be replayed in a graph) runs topk_warp over the E+1 logits.
 // rows = E + 1 (router rows, then the shared-expert gate).
 extern "C" __global__ void __launch_bounds__(256) router_topk_q8(
     const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,
     const float* x, const float* gain, float eps, float* y, int k, unsigned int* counter, int* idx, float* wts) {
+    KTRACE(11);
     gemv_body<8, 1, 4>(w, s, b, rows, cols, gshift, x, gain, nullptr, 0, eps, y, 0);
     __shared__ bool last;
     __threadfence();
@@ -81,16 +197,3 @@ extern "C" __global__ void __launch_bounds__(256) router_topk_q8(
     if (threadIdx.x < 32) topk_warp(y, rows - 1, k, idx, wts);
     if (threadIdx.x == 0) *counter = 0;
 }
-
-// gshift = log2(gs / (128/BITS)): chunks of 16 bytes per quantisation group.
-#define GEMV_KERNEL(name, BITS, R, U, DN)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) name(                                                        \
-        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,         \
-        const float* x, const float* gain, const float* z, int hd, float eps, float* y, int accumulate) {          \
-        gemv_body<BITS, R, U, DN>(w, s, b, rows, cols, gshift, x, gain, z, hd, eps, y, accumulate);                   \
-    }
-
-GEMV_KERNEL(gemv_q4, 4, 4, 2, true)
-GEMV_KERNEL(gemv_q4_r1, 4, 1, 4, true)
-GEMV_KERNEL(gemv_q8, 8, 4, 2, true)
-GEMV_KERNEL(gemv_q8_r1, 8, 1, 4, true)

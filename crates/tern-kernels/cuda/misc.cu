@@ -8,6 +8,7 @@
 extern "C" __global__ void embed_q4(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                                     const __nv_bfloat16* __restrict__ b, int cols, int gs,
                                     const int* __restrict__ tok, float* __restrict__ x) {
+    KTRACE(1);
     pdl_wait();
     const long r = tok[0];
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x) {
@@ -19,6 +20,7 @@ extern "C" __global__ void embed_q4(const uint32_t* __restrict__ w, const __nv_b
 
 extern "C" __global__ void argmax_partial(const float* __restrict__ v, int n, float* __restrict__ pv,
                                           int* __restrict__ pi) {
+    KTRACE(2);
     pdl_wait();
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -48,13 +50,25 @@ extern "C" __global__ void argmax_partial(const float* __restrict__ v, int n, fl
 
 extern "C" __global__ void argmax_final(const float* __restrict__ pv, const int* __restrict__ pi, int n,
                                         int* __restrict__ tok, int* __restrict__ pos) {
+    KTRACE(3);
     pdl_wait();
+    // one warp: lanes scan interleaved partials (independent loads), then a shuffle reduction (ties -> lower index)
+    const int lane = threadIdx.x & 31;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = lane; i < n; i += 32) {
+        const float v = pv[i];
+        const int j = pi[i];
+        if (v > bv || (v == bv && j < bi)) { bv = v; bi = j; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
     if (threadIdx.x == 0) {
-        float bv = -INFINITY;
-        int bi = 0;
-        for (int i = 0; i < n; i++)
-            if (pv[i] > bv || (pv[i] == bv && pi[i] < bi)) { bv = pv[i]; bi = pi[i]; }
-        tok[0] = bi;
+        tok[0] = bi == 0x7fffffff ? 0 : bi;
         pos[0] += 1;
     }
 }
