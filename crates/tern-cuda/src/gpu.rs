@@ -69,7 +69,6 @@ macro_rules! funcs {
 }
 
 funcs! {
-    gemv_tma_q4: "gemv", gemv_tma_q8: "gemv", gemv_tma_q4_r1: "gemv", gemv_tma_q8_r1: "gemv",
     router_topk_q8: "gemv", moe_topk: "moe", moe_gate_up: "moe", moe_down: "moe",
     gdn_step: "gdn",
     attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention",
@@ -165,6 +164,8 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub f: Funcs,
+    /// The streamed GEMV's instantiations (gemv.cu `gemv_tma_q{bits}_r{R}_m{mode}_n{NV}`), see [`Gpu::gemv`].
+    gemv: Vec<CudaFunction>,
     pub sms: u32,
     /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
     pub pdl: bool,
@@ -235,7 +236,19 @@ impl Gpu {
             modules.push((*name, m));
         }
         let f = Funcs::load(&modules)?;
-        for func in [&f.gemv_tma_q4, &f.gemv_tma_q8, &f.gemv_tma_q4_r1, &f.gemv_tma_q8_r1, &f.moe_down] {
+        let gm = &modules.iter().find(|(n, _)| *n == "gemv").context("no cubin gemv")?.1;
+        let mut gemv = Vec::new();
+        for bits in [4, 8] {
+            for r in [4, 1] {
+                for mode in 0..3 {
+                    for nv in [2, 4] {
+                        let name = format!("gemv_tma_q{bits}_r{r}_m{mode}_n{nv}");
+                        gemv.push(gm.load_function(&name).with_context(|| format!("kernel {name} in gemv.cu"))?);
+                    }
+                }
+            }
+        }
+        for func in gemv.iter().chain([&f.moe_down]) {
             func.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 TMA_SMEM_MAX as i32,
@@ -243,7 +256,7 @@ impl Gpu {
         }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
-        Ok(Arc::new(Gpu { ctx, stream, f, sms, pdl, _modules: modules.into_iter().map(|m| m.1).collect() }))
+        Ok(Arc::new(Gpu { ctx, stream, f, gemv, sms, pdl, _modules: modules.into_iter().map(|m| m.1).collect() }))
     }
 
     /// Turn the step trace on (emptying the trace buffers) or off in every module (common.cuh `KTrace`).
@@ -329,7 +342,7 @@ impl Gpu {
         ensure!(x.len() >= m.cols && y.len() >= y_off + m.rows, "gemv: x {} / y {} too short", x.len(), y.len());
         ensure!(m.bits == 4 || m.bits == 8, "gemv: {}-bit weights", m.bits);
         ensure!(m.cols * m.bits as usize % 128 == 0 && m.gs % (128 / m.bits as usize) == 0, "gemv: bad layout");
-        ensure!(m.cols <= 8192, "gemv: cols {} over the shared-memory budget", m.cols);
+        ensure!(m.cols <= 4096, "gemv: cols {} over the kernel's prologue (at most 4096)", m.cols);
         let hd = match z {
             Some((zs, off, h)) => {
                 let ok = h > 0 && gain.is_some_and(|g| g.len() >= h) && zs.len() >= off + m.cols && m.cols % h == 0;
@@ -379,12 +392,12 @@ impl Gpu {
         let nvec = m.cols * m.bits as usize / 128;
         let smem = ((padx_len(m.cols) + nvec) * 4).div_ceil(128) * 128 + nstages * stage;
         ensure!(smem <= TMA_SMEM_MAX, "gemv: {} x {} needs {smem} bytes of shared memory", m.rows, m.cols);
-        let func = match (m.bits, r4) {
-            (4, true) => &self.f.gemv_tma_q4,
-            (4, false) => &self.f.gemv_tma_q4_r1,
-            (_, true) => &self.f.gemv_tma_q8,
-            (_, false) => &self.f.gemv_tma_q8_r1,
+        let mode = match (gain, hd) {
+            (None, _) => 0,
+            (Some(_), 0) => 1,
+            (Some(_), _) => 2,
         };
+        let func = &self.gemv[(((m.bits == 8) as usize * 2 + !r4 as usize) * 3 + mode) * 2 + (m.cols > 2048) as usize];
         let (rows, cols, acc, ns) = (m.rows as i32, m.cols as i32, accumulate as i32, nstages as i32);
         let yv = y.slice(y_off..);
         let mut l = self.launcher(func);
@@ -449,7 +462,7 @@ impl Gpu {
             m.cols,
             m.bits
         );
-        ensure!(m.cols * 8 % 128 == 0 && m.cols <= 8192 && x.len() >= m.cols && gain.len() >= m.cols, "router_topk: x");
+        ensure!(m.cols * 8 % 128 == 0 && m.cols <= 2048 && x.len() >= m.cols && gain.len() >= m.cols, "router_topk: x");
         ensure!(
             logits.len() >= m.rows && idx.len() > k && wts.len() > k && !counter.is_empty(),
             "router_topk: outputs"
@@ -486,7 +499,7 @@ impl Gpu {
         let imax = i.max(is);
         ensure!(x.len() >= h && idx.len() > k && act.len() >= (k + 1) * imax, "moe_gate_up: shapes");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up: expert buffer too short");
-        ensure!(h % 32 == 0 && h <= 8192 && gu.gs % 32 == 0, "moe_gate_up: layout");
+        ensure!(h % 32 == 0 && h <= 2048 && gu.gs % 32 == 0 && i.is_power_of_two(), "moe_gate_up: layout");
         let items = k * i + is;
         let smem = (padx_len(h) + h / 32) * 4;
         let c = cfg((self.grid_resident(&self.f.moe_gate_up, items.div_ceil(2), smem), 1), GEMV_THREADS, smem);
@@ -520,6 +533,11 @@ impl Gpu {
         ensure!(idx.len() > k && wts.len() > k && act.len() >= (k + 1) * imax, "moe_down: shapes");
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down: expert buffer too short");
         ensure!(i % 32 == 0 && is % 32 == 0 && k < MOE_DOWN_MAXK, "moe_down: layout");
+        ensure!(
+            i.is_power_of_two() && is.is_power_of_two() && down.gs.is_power_of_two(),
+            "moe_down: inner sizes {i}/{is} and group size {} must be powers of two",
+            down.gs
+        );
         let gs = group_shift(down.gs, 4)?;
         ensure!(down.gs <= i.min(is), "moe_down: group size {} over the inner size", down.gs);
         ensure!(

@@ -121,13 +121,13 @@ extern "C" __global__ void attn_decode(const float* __restrict__ qbuf, const __n
             if (tb + j >= t1) sc[j] = -INFINITY;
             mn = fmaxf(mn, sc[j]);
         }
-        const float corr = expf(m - mn);
+        const float corr = __expf(m - mn);
         l *= corr;
 #pragma unroll
         for (int e = 0; e < 8; e++) acc[e] *= corr;
 #pragma unroll
         for (int j = 0; j < ATT_T; j++) {
-            const float p = expf(sc[j] - mn);
+            const float p = __expf(sc[j] - mn);
             l += p;
             float vf[8];
             bf16x8(vv[j], vf);
@@ -262,8 +262,8 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
         float bm = fmaxf(sc, __shfl_xor_sync(FULL_MASK, sc, 8));
         bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, 16));
         const float mn = fmaxf(m, bm);  // finite: key tb < t1 is valid
-        const float corr = expf(m - mn);
-        const float p = expf(sc - mn);
+        const float corr = __expf(m - mn);
+        const float p = __expf(sc - mn);
         float psum = p + __shfl_xor_sync(FULL_MASK, p, 8);
         psum += __shfl_xor_sync(FULL_MASK, psum, 16);
         l = l * corr + psum;
@@ -316,7 +316,7 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
         float num = 0.f, den = 0.f;
 #pragma unroll
         for (int w = 0; w < AKV_W; w++) {
-            const float f = mws[w][g] == -INFINITY ? 0.f : expf(mws[w][g] - M);
+            const float f = mws[w][g] == -INFINITY ? 0.f : __expf(mws[w][g] - M);
             num = fmaf(f, accs[w][g * 256 + d], num);
             den = fmaf(f, lws[w][g], den);
         }
@@ -367,7 +367,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const fl
     float dl = 0.f;
     for (int s = threadIdx.x; s < na; s += blockDim.x) {
         float ms = p[s * (hd + 2) + hd];
-        float fs = ms == -INFINITY ? 0.f : expf(ms - M);
+        float fs = ms == -INFINITY ? 0.f : __expf(ms - M);
         f[s] = fs;
         dl += fs * p[s * (hd + 2) + hd + 1];
     }

@@ -114,9 +114,11 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 }
 
 __device__ __forceinline__ float bf(const __nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float silu_f(float x) { return x / (1.f + expf(-x)); }
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+// Fast exponentials (ex2.approx, ~2 ulp + |x| 2^-21 relative): the full-precision expf is ~10x the code, and code
+// size matters here (instruction-cache misses were the largest stall of the decode kernels).
+__device__ __forceinline__ float silu_f(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid_f(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.f ? x : __logf(1.f + __expf(x)); }
 
 // Index of column c in a shared-memory vector padded by 4 floats every 32: lanes reading 16-byte vectors at a
 // stride of 32 (4-bit chunks) or 16 (8-bit chunks) floats hit distinct banks.
@@ -240,58 +242,58 @@ __device__ __forceinline__ void warp_rows_dot(const uint4* const (&wr)[R], const
     }
 }
 
+// Prologue modes of the GEMV-like kernels (a template parameter, so that each kernel carries only its own path:
+// instruction-cache misses were the largest stall of the GEMVs while every kernel held all three).
+#define XM_PLAIN 0  // xn = x
+#define XM_RMS 1    // xn = RMSNorm(x) * gain
+#define XM_GATED 2  // xn = RMSNorm(x_h) * gain[j] * silu(z) per head of hd columns
+
 // The gain of a GEMV prologue's norm, loaded into registers BEFORE the dependency wait (it is a weight): per
 // thread the NV float4s of columns 4*(tid + 256 j) (RMSNorm over cols), or, for the gated per-head norm, the gain
 // of those columns' positions within their head (gain[(4c) % hd ..]). Loading it after the wait put a DRAM round
 // trip (slow while other kernels stream weights) on every kernel's critical path.
+template <int NV>
 struct GainRegs {
-    float4 g[8];
+    float4 g[NV];
 };
-__device__ __forceinline__ GainRegs load_gain(const float* __restrict__ gain, const float* __restrict__ z, int hd,
-                                              int cols) {
-    GainRegs r;
+template <int NV, int MODE>
+__device__ __forceinline__ GainRegs<NV> load_gain(const float* __restrict__ gain, int hd, int cols) {
+    GainRegs<NV> r;
     const int n4 = cols >> 2;
 #pragma unroll
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < NV; j++) {
         const int c4 = threadIdx.x + 256 * j;
         r.g[j] = make_float4(1.f, 1.f, 1.f, 1.f);
-        if (gain != nullptr && c4 < n4) {
-            if (z == nullptr) {
-                r.g[j] = reinterpret_cast<const float4*>(gain)[c4];
-            } else {
-                const int jj = (4 * c4) % hd;
-                r.g[j] = make_float4(gain[jj], gain[jj + 1], gain[jj + 2], gain[jj + 3]);
-            }
+        if (MODE == XM_RMS && c4 < n4) r.g[j] = reinterpret_cast<const float4*>(gain)[c4];
+        if (MODE == XM_GATED && c4 < n4) {
+            const int jj = (4 * c4) % hd;
+            r.g[j] = make_float4(gain[jj], gain[jj + 1], gain[jj + 2], gain[jj + 3]);
         }
     }
     return r;
 }
 
-// Prologue of the GEMV-like kernels (blockDim.x == 256, cols % 4 == 0, cols <= 8192): stages xn * xscale into
-// padded smem `xs` (xscale = DN_XSCALE for the denormal decode, 1 for the magic-number one) and the sums of xn over
-// chunks of `cpv` columns into `cs`, where xn is
-//   x                                      (gain == nullptr),
-//   RMSNorm(x) * gain                      (gain given, z == nullptr),
-//   RMSNorm(x_h) * gain[j] * silu(z) per head of hd columns (gain and z given; hd/4 a power of two <= 32).
-// `gr` holds the gain (load_gain, before the wait); `gain` only says whether there is one. Each thread loads its
-// float4s of x (and z) up front (one round trip), norms reduce in registers/shuffles, chunk sums by shuffles over
-// the cpv/4 threads that own a chunk; ends with one barrier.
-__device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainRegs& gr, const float* gain,
+// Prologue of the GEMV-like kernels (blockDim.x == 256, cols % 4 == 0, cols <= 1024 * NV): stages xn * xscale
+// into padded smem `xs` (xscale = DN_XSCALE for the denormal decode) and the sums of xn over chunks of `cpv`
+// columns into `cs`, xn as MODE says (gated: hd/4 a power of two <= 32). `gr` holds the gain (load_gain, before
+// the wait). Each thread loads its float4s of x (and z) up front (one round trip), norms reduce in
+// registers/shuffles, chunk sums by shuffles over the cpv/4 threads that own a chunk; ends with one barrier.
+template <int NV, int MODE>
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainRegs<NV>& gr,
                                         const float* __restrict__ z, int hd, float eps, int cols, int cpv,
                                         float* xs, float* cs, float* red, float xscale = DN_XSCALE) {
-    constexpr int NV = 8;  // float4s per thread: 8 * 4 * 256 = 8192 columns
     const int tid = threadIdx.x, n4 = cols >> 2;
     float4 v[NV], zv[NV];
 #pragma unroll
     for (int j = 0; j < NV; j++) {
         const int c4 = tid + 256 * j;
         v[j] = c4 < n4 ? reinterpret_cast<const float4*>(x)[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (z != nullptr && c4 < n4) {
+        if (MODE == XM_GATED && c4 < n4) {
             const float* zp = z + 4 * c4;  // z may be only 4-byte aligned (offset view)
             zv[j] = make_float4(zp[0], zp[1], zp[2], zp[3]);
         }
     }
-    if (gain != nullptr && z == nullptr) {
+    if (MODE == XM_RMS) {
         float ss = 0.f;
 #pragma unroll
         for (int j = 0; j < NV; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
@@ -301,7 +303,7 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainR
             const float4 g = gr.g[j];
             v[j] = make_float4(v[j].x * r * g.x, v[j].y * r * g.y, v[j].z * r * g.z, v[j].w * r * g.w);
         }
-    } else if (z != nullptr) {
+    } else if (MODE == XM_GATED) {
         const int tph = hd >> 2;  // threads per head (consecutive lanes of one warp)
 #pragma unroll
         for (int j = 0; j < NV; j++) {

@@ -39,11 +39,16 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
         int i = warp + 4 * r;
         sreg[r] = (i < dk && active) ? S[i * dv + col] : 0.f;
     }
-    const int cur = pos % K;
+    const int cur = pos % K, first = (pos + 1) % K;  // ring slot of this position, of the oldest input
     // conv over the K-1 earlier inputs of channel ch, and the weight of the current input
     auto conv_past = [&](int ch, float& wlast) {
         float acc = 0.f;
-        for (int j = 0; j < K - 1; j++) acc += conv_w[ch * K + j] * ring[((pos + 1 + j) % K) * conv_dim + ch];
+        int slot = first;
+#pragma unroll 1
+        for (int j = 0; j < K - 1; j++) {
+            acc += conv_w[ch * K + j] * ring[slot * conv_dim + ch];
+            slot = slot + 1 == K ? 0 : slot + 1;
+        }
         wlast = conv_w[ch * K + K - 1];
         return acc;
     };
@@ -55,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
         pk = conv_past(chk, wk);
     }
     if (active) pv = conv_past(chv, wv);
-    const float alog = a_log[h], dtb = dt_bias[h];
+    const float ealog = __expf(a_log[h]), dtb = dt_bias[h];
     pdl_wait();  // proj comes from the previous kernel
     // all of this block's projection inputs in one round trip
     const float xq = has_qk ? proj[chq] : 0.f, xk = has_qk ? proj[chk] : 0.f, xv = active ? proj[chv] : 0.f;
@@ -84,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     }
     __syncthreads();
     const float beta = sigmoid_f(xb);
-    const float decay = expf(-expf(alog) * softplus_f(xa + dtb));
+    const float decay = __expf(-ealog * softplus_f(xa + dtb));
     float m = 0.f;
 #pragma unroll
     for (int r = 0; r < MAXR; r++) {

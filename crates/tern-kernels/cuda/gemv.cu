@@ -39,10 +39,10 @@ __device__ void gemv_body(const uint32_t* __restrict__ w, const __nv_bfloat16* _
             prefetch_l2(b + t0 * R * ngroups, nr * ngroups * 2, lane);
         }
     }
-    const GainRegs gr = load_gain(gain, z, hd, cols);
+    const GainRegs<2> gr = load_gain<2, XM_RMS>(gain, hd, cols);
     pdl_wait();
     float* cs = xs + padx_len(cols);
-    stage_x(x, gr, gain, z, hd, eps, cols, CPV, xs, cs, red, DN ? DN_XSCALE : 1.f);
+    stage_x<2, XM_RMS>(x, gr, z, hd, eps, cols, CPV, xs, cs, red, DN ? DN_XSCALE : 1.f);
     const uint4* w4 = reinterpret_cast<const uint4*>(w);
     const int tiles = (rows + R - 1) / R;
     for (int t = blockIdx.x * nw + warp; t < tiles; t += gridDim.x * nw) {
@@ -82,7 +82,7 @@ __device__ void gemv_body(const uint32_t* __restrict__ w, const __nv_bfloat16* _
 // FLOPs per call: 2*rows*cols.
 #define GT_MAXS 4
 
-template <int BITS, int R>
+template <int BITS, int R, int NV, int MODE>
 __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                               const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift,
                               const float* __restrict__ x, const float* __restrict__ gain,
@@ -102,42 +102,46 @@ __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat1
     float* xs = reinterpret_cast<float*>(smem);
     float* cs = xs + padx_len(cols);
     unsigned char* ring = smem + (((padx_len(cols) + nvec) * 4 + 127) & ~127);
+    // 32-bit arithmetic throughout (64-bit divisions expand to long SASS sequences: code size matters here)
     const int nst = (rows + SR - 1) / SR;
-    const int st0 = (int)((long)nst * blockIdx.x / gridDim.x);
-    const int my = (int)((long)nst * (blockIdx.x + 1) / gridDim.x) - st0;
-    auto issue = [&](int i) {  // thread 0: stage st0 + i into slot i % S
-        const int slot = i % S;
-        unsigned char* d = ring + (long)slot * stage_bytes;
-        const long r0 = (long)(st0 + i) * SR;
-        const int nr = (int)min((long)SR, rows - r0);
+    const int st0 = (int)((unsigned)nst * blockIdx.x / gridDim.x);
+    const int my = (int)((unsigned)nst * (blockIdx.x + 1) / gridDim.x) - st0;
+    auto issue = [&](int i, int slot) {  // thread 0: stage st0 + i into `slot`
+        unsigned char* d = ring + slot * stage_bytes;
+        const int r0 = (st0 + i) * SR;
+        const int nr = min(SR, rows - r0);
         const uint32_t wb = (uint32_t)nr * rowb, sbb = (uint32_t)((nr * ng * 2 + 15) & ~15);
         mbar_expect_tx(&full[slot], wb + 2 * sbb);
-        bulk_g2s(d, reinterpret_cast<const unsigned char*>(w) + r0 * rowb, wb, &full[slot]);
-        bulk_g2s(d + SR * rowb, s + r0 * ng, sbb, &full[slot]);
-        bulk_g2s(d + SR * rowb + sbb_full, b + r0 * ng, sbb, &full[slot]);
+        bulk_g2s(d, reinterpret_cast<const unsigned char*>(w) + (size_t)r0 * rowb, wb, &full[slot]);
+        bulk_g2s(d + SR * rowb, s + (size_t)r0 * ng, sbb, &full[slot]);
+        bulk_g2s(d + SR * rowb + sbb_full, b + (size_t)r0 * ng, sbb, &full[slot]);
     };
     if (tid == 0) {
+#pragma unroll 1
         for (int i = 0; i < S; i++) mbar_init(&full[i], 1);
         mbar_fence_init();
-        for (int i = 0; i < min(S, my); i++) issue(i);  // weights are constants: safe before the wait
+#pragma unroll 1
+        for (int i = 0; i < min(S, my); i++) issue(i, i);  // weights are constants: safe before the wait
     }
-    const GainRegs gr = load_gain(gain, z, hd, cols);
+    const GainRegs<NV> gr = load_gain<NV, MODE>(gain, hd, cols);
     __syncthreads();
     pdl_wait();
-    stage_x(x, gr, gain, z, hd, eps, cols, CPV, xs, cs, red, DN_XSCALE);
+    stage_x<NV, MODE>(x, gr, z, hd, eps, cols, CPV, xs, cs, red, DN_XSCALE);
     trace_mark(0);
+    int slot = 0;
+    uint32_t phase = 0;
+#pragma unroll 1
     for (int i = 0; i < my; i++) {
-        const int slot = i % S;
-        mbar_wait(&full[slot], (uint32_t)(i / S) & 1u);
+        mbar_wait(&full[slot], phase);
         if (i == 0) trace_mark(1);
-        const unsigned char* d = ring + (long)slot * stage_bytes;
+        const unsigned char* d = ring + slot * stage_bytes;
         const uint4* ws = reinterpret_cast<const uint4*>(d) + warp * R * nvec;
         const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(d + SR * rowb) + warp * R * ng;
         const __nv_bfloat16* bb = reinterpret_cast<const __nv_bfloat16*>(d + SR * rowb + sbb_full) + warp * R * ng;
         float tot[R];
 #pragma unroll
         for (int r = 0; r < R; r++) tot[r] = 0.f;
-#pragma unroll 2
+#pragma unroll 1
         for (int u = lane; u < nvec; u += 32) {
             const int g = u >> gshift;
             uint4 wv[R];
@@ -153,31 +157,44 @@ __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat1
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const float acc = warp_sum(tot[r]);
-            const long row = (long)(st0 + i) * SR + warp * R + r;
+            const int row = (st0 + i) * SR + warp * R + r;
             if (lane == r && row < rows) y[row] = accumulate ? y[row] + acc : acc;
         }
         if (i + S < my) {
             __syncthreads();  // every warp is done reading this slot
             if (tid == 0) {
                 fence_proxy_async();
-                issue(i + S);
+                issue(i + S, slot);
             }
+        }
+        if (++slot == S) {
+            slot = 0;
+            phase ^= 1u;
         }
     }
 }
 
-#define GEMV_TMA_KERNEL(name, BITS, R)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 2) name(                                                     \
+// gemv_tma_q{BITS}_r{R}_m{MODE}_n{NV}: MODE = prologue (0 plain, 1 RMSNorm, 2 gated RMSNorm), NV = cols / 1024
+// rounded up to 2 or 4 (cols <= 4096).
+#define GEMV_TMA_KERNEL(BITS, R, MODE, NV)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2) gemv_tma_q##BITS##_r##R##_m##MODE##_n##NV(             \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,         \
         const float* x, const float* gain, const float* z, int hd, float eps, float* y, int accumulate, int S) {   \
         KTRACE(12);                                                                                                \
-        gemv_tma_body<BITS, R>(w, s, b, rows, cols, gshift, x, gain, z, hd, eps, y, accumulate, S);               \
+        gemv_tma_body<BITS, R, NV, MODE>(w, s, b, rows, cols, gshift, x, gain, z, hd, eps, y, accumulate, S);     \
     }
-
-GEMV_TMA_KERNEL(gemv_tma_q4, 4, 4)
-GEMV_TMA_KERNEL(gemv_tma_q4_r1, 4, 1)
-GEMV_TMA_KERNEL(gemv_tma_q8, 8, 4)
-GEMV_TMA_KERNEL(gemv_tma_q8_r1, 8, 1)
+#define GEMV_TMA_MODES(BITS, R, NV) \
+    GEMV_TMA_KERNEL(BITS, R, 0, NV) \
+    GEMV_TMA_KERNEL(BITS, R, 1, NV) \
+    GEMV_TMA_KERNEL(BITS, R, 2, NV)
+GEMV_TMA_MODES(4, 4, 2)
+GEMV_TMA_MODES(4, 4, 4)
+GEMV_TMA_MODES(4, 1, 2)
+GEMV_TMA_MODES(4, 1, 4)
+GEMV_TMA_MODES(8, 4, 2)
+GEMV_TMA_MODES(8, 4, 4)
+GEMV_TMA_MODES(8, 1, 2)
+GEMV_TMA_MODES(8, 1, 4)
 
 // Router GEMV (8-bit, one row per warp) with the top-k fused as a tail: the last block to finish (device-wide
 // counter, reset by that block, so the kernel can be replayed in a graph) runs topk_warp over the E+1 logits.

@@ -31,7 +31,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int Imax = I > Is ? I : Is;
     const int items = k * I + Is;
-    const int nvec = H / 32, ngroups = H >> (gshift + 5);
+    const int nvec = H / 32, ngroups = H >> (gshift + 5), lI = 31 - __clz(I);
     {
         // before the dependency wait (idx comes from the previous kernel): only the shared expert's rows (expert E,
         // items k*I..) have a known address; pull this warp's share of them (gate and up rows) into L2
@@ -44,10 +44,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
             prefetch_l2(reinterpret_cast<const uint4*>(we) + (Is + jj) * nvec, nr * nvec * 16, lane);
         }
     }
-    const GainRegs gr = load_gain(gain, nullptr, 0, H);
+    const GainRegs<2> gr = load_gain<2, XM_RMS>(gain, 0, H);
     pdl_wait();
     float* cs = xs + padx_len(H);
-    stage_x(x, gr, gain, nullptr, 0, eps, H, 32, xs, cs, red);
+    stage_x<2, XM_RMS>(x, gr, nullptr, 0, eps, H, 32, xs, cs, red);
     // a warp owns 2 items (gate and up rows of each: 4 rows in flight)
     for (int t = blockIdx.x * nw + warp; 2 * t < items; t += gridDim.x * nw) {
         const uint4* wr[4];
@@ -56,8 +56,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
 #pragma unroll
         for (int q = 0; q < 2; q++) {
             const int it = min(2 * t + q, items - 1);
-            slot[q] = it < k * I ? it / I : k;
-            jj[q] = it < k * I ? it % I : it - k * I;
+            slot[q] = it < k * I ? it >> lI : k;  // I a power of two (checked on the host)
+            jj[q] = it < k * I ? it & (I - 1) : it - k * I;
             const int n = slot[q] < k ? I : Is;
             const long e = idx[slot[q]];
             const long rg = jj[q], ru = n + jj[q];
@@ -69,7 +69,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
             br[2 * q + 1] = b + e * groups + ru * ngroups;
         }
         float tot[4] = {0.f, 0.f, 0.f, 0.f};
-        warp_rows_dot<4, 4, 2>(wr, sr, br, nvec, gshift, xs, cs, lane, tot);
+        warp_rows_dot<4, 4, 1>(wr, sr, br, nvec, gshift, xs, cs, lane, tot);
 #pragma unroll
         for (int r = 0; r < 4; r++) tot[r] = warp_sum(tot[r]);
 #pragma unroll
@@ -124,6 +124,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
             bulk_g2s(wsm + (long)slot * DN_RB * (Imax / 2), src, (uint32_t)nr * (n / 2), &full);
         }
     }
+    // index decompositions by shifts (I, Is, gs powers of two, checked on the host): integer divisions by runtime
+    // values expand to long instruction sequences, and code size matters here
+    const int lngM = 31 - __clz(ngM), lrow = 31 - __clz(DN_RB * ngM);
     {
         // scales/biases of the block's rows: all loads first (one round trip), then the shared-memory stores
         constexpr int NSB = 8;  // per thread: (k+1)*DN_RB*ngM <= 8*256 (checked on the host)
@@ -131,10 +134,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
 #pragma unroll
         for (int j = 0; j < NSB; j++) {
             const int t = tid + 256 * j;
-            const int slot = t / (DN_RB * ngM), rr = (t / ngM) % DN_RB, g = t % ngM;
+            const int slot = t >> lrow, rr = (t >> lngM) & (DN_RB - 1), g = t & (ngM - 1);
             const int ng = slot < k ? ngI : ngS;
             if (slot <= k && rr < nr && g < ng) {
-                const long gi = (long)sidx[slot] * groups + (long)(r0 + rr) * ng + g;
+                const long gi = (long)sidx[slot] * groups + (r0 + rr) * ng + g;
                 sv[j] = s[gi];
                 bv[j] = b[gi];
             }
@@ -142,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
 #pragma unroll
         for (int j = 0; j < NSB; j++) {
             const int t = tid + 256 * j;
-            const int slot = t / (DN_RB * ngM), rr = (t / ngM) % DN_RB, g = t % ngM;
+            const int slot = t >> lrow, rr = (t >> lngM) & (DN_RB - 1), g = t & (ngM - 1);
             const int ng = slot < k ? ngI : ngS;
             if (slot <= k && rr < nr && g < ng) {
                 scs[t] = bf(sv[j]);
@@ -154,21 +157,21 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     if (tid <= k) swt[tid] = wts[tid];
     // act -> smem (x 2^90), chunk sums of 32 columns (8 float4 = 8 consecutive threads) by shuffles; all loads
     // first (one round trip)
-    const int n4 = Imax / 4;
+    const int n4 = Imax / 4, ln4 = 31 - __clz(n4);
     constexpr int NA = 8;  // float4s per thread: (k+1)*Imax/4 <= 8*256 (checked on the host)
     float4 av[NA];
 #pragma unroll
     for (int j = 0; j < NA; j++) {
         const int t = tid + 256 * j;
-        const int slot = t / n4, c4 = t % n4;
+        const int slot = t >> ln4, c4 = t & (n4 - 1);
         const int n = slot < k ? I : Is;
         av[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (slot <= k && 4 * c4 < n) av[j] = reinterpret_cast<const float4*>(act + (long)slot * Imax)[c4];
+        if (slot <= k && 4 * c4 < n) av[j] = reinterpret_cast<const float4*>(act + slot * Imax)[c4];
     }
 #pragma unroll
     for (int j = 0; j < NA; j++) {
         const int t = tid + 256 * j;
-        const int slot = t / n4, c4 = t % n4;
+        const int slot = t >> ln4, c4 = t & (n4 - 1);
         const float4 v = av[j];
         float sum = v.x + v.y + v.z + v.w;
         sum += __shfl_xor_sync(FULL_MASK, sum, 1);
@@ -184,12 +187,14 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     __syncthreads();
     mbar_wait(&full, 0);
     trace_mark(1);
-    const int cI = I / 32, npos = k * cI + Is / 32;
+    const int cI = I / 32, lcI = 31 - __clz(cI), npos = k * cI + Is / 32;
+#pragma unroll 1
     for (int rr = warp; rr < nr; rr += 8) {
         float acc = 0.f;
+#pragma unroll 1
         for (int p = lane; p < npos; p += 32) {
-            const int slot = p < k * cI ? p / cI : k;
-            const int c = p < k * cI ? p % cI : p - k * cI;
+            const int slot = p < k * cI ? p >> lcI : k;
+            const int c = p < k * cI ? p & (cI - 1) : p - k * cI;
             const int n = slot < k ? I : Is;
             const int g = c >> gpc;
             const uint4 wq[1] = {*reinterpret_cast<const uint4*>(wsm + (long)slot * DN_RB * (Imax / 2) + (long)rr * (n / 2) + c * 16)};
