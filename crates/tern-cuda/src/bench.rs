@@ -147,16 +147,13 @@ fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) 
                 c.linear_value_head_dim,
                 c.linear_conv_kernel_dim,
             );
-            let t = graph_time(g, n, &mut || g.gemv(proj, &st.x, Some(&l.in_norm), None, eps, &mut st.proj, 0, false))?;
+            let t = graph_time(g, n, &mut || g.gemv(proj, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false))?;
             show("gdn_in_proj", t, proj.bytes());
             let t = graph_time(g, n, &mut || {
-                g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, dims)
+                g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, norm, eps, dims)
             })?;
             show("gdn_core", t, 2 * s.len() * 4);
-            let (zoff, hd) = (c.linear_conv_dim(), c.linear_value_head_dim);
-            let t = graph_time(g, n, &mut || {
-                g.gemv(out, &st.o, Some(norm), Some((&st.proj, zoff, hd)), eps, &mut st.x, 0, true)
-            })?;
+            let t = graph_time(g, n, &mut || g.gemv(out, &st.o, None, eps, &mut st.x, 0, true))?;
             show("gdn_out_proj", t, out.bytes());
         }
         let t = graph_time(g, n, &mut || {
@@ -184,7 +181,7 @@ fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) 
         let l = &m.layers[li];
         if let (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) = (&l.mixer, &mut st.layers[li]) {
             let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-            let t = graph_time(g, n, &mut || g.gemv(qkv, &st.x, Some(&l.in_norm), None, eps, &mut st.proj, 0, false))?;
+            let t = graph_time(g, n, &mut || g.gemv(qkv, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false))?;
             show("attn_qkv", t, qkv.bytes());
             let theta = c.rope_theta as f32;
             let t = graph_time(g, n, &mut || {
@@ -197,11 +194,11 @@ fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) 
             show("attn_decode", t, (ctx + 1) * nkv * hd * 4);
             let t = graph_time(g, n, &mut || g.attn_combine(&st.part, &st.proj, nh, hd, ns, &mut st.o))?;
             show("attn_combine", t, 0);
-            let t = graph_time(g, n, &mut || g.gemv(o, &st.o, None, None, eps, &mut st.x, 0, true))?;
+            let t = graph_time(g, n, &mut || g.gemv(o, &st.o, None, eps, &mut st.x, 0, true))?;
             show("attn_o_proj", t, o.bytes());
         }
     }
-    let t = graph_time(g, n, &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), None, eps, &mut st.logits, 0, false))?;
+    let t = graph_time(g, n, &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), eps, &mut st.logits, 0, false))?;
     show("lm_head", t, m.lm_head.bytes());
     let t = graph_time(g, n, &mut || g.embed(&m.embed, &st.tok, &mut st.x))?;
     show("embed", t, 0);

@@ -120,6 +120,8 @@ pub struct KLaunch<'a> {
     gpu: &'a Gpu,
     func: &'a CudaFunction,
     words: Vec<u64>,
+    /// Thread-block cluster dimensions (launch attribute), if the kernel uses clusters.
+    pub cluster: Option<(u32, u32, u32)>,
 }
 
 impl KLaunch<'_> {
@@ -135,10 +137,21 @@ impl KLaunch<'_> {
         self.gpu.ctx.bind_to_thread()?;
         let mut ptrs: Vec<*mut std::ffi::c_void> =
             self.words.iter_mut().map(|w| w as *mut u64 as *mut std::ffi::c_void).collect();
-        // SAFETY: an all-zero launch attribute is valid; id and value are set below.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: an all-zero launch attribute is valid; ids and values are set below.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if self.gpu.pdl {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if let Some((x, y, z)) = self.cluster {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim.x = x;
+            attrs[n].value.clusterDim.y = y;
+            attrs[n].value.clusterDim.z = z;
+            n += 1;
+        }
         let cfg = sys::CUlaunchConfig {
             gridDimX: c.grid_dim.0,
             gridDimY: c.grid_dim.1,
@@ -148,10 +161,10 @@ impl KLaunch<'_> {
             blockDimZ: c.block_dim.2,
             sharedMemBytes: c.shared_mem_bytes,
             hStream: self.gpu.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: self.gpu.pdl as u32,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: n as u32,
         };
-        // SAFETY: cfg, attr and the argument words outlive the call, which copies them; the caller vouches for
+        // SAFETY: cfg, attrs and the argument words outlive the call, which copies them; the caller vouches for
         // the argument list (see above).
         unsafe { sys::cuLaunchKernelEx(&cfg, self.func.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) }
             .result()?;
@@ -164,7 +177,7 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub f: Funcs,
-    /// The streamed GEMV's instantiations (gemv.cu `gemv_tma_q{bits}_r{R}_m{mode}_n{NV}`), see [`Gpu::gemv`].
+    /// The streamed GEMV's instantiations (gemv.cu `gemv_tma_q{bits}_r{R}_m{mode}_n{NV}`), see [`Gpu::gemv_plan`].
     gemv: Vec<CudaFunction>,
     pub sms: u32,
     /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
@@ -240,7 +253,7 @@ impl Gpu {
         let mut gemv = Vec::new();
         for bits in [4, 8] {
             for r in [4, 1] {
-                for mode in 0..3 {
+                for mode in 0..2 {
                     for nv in [2, 4] {
                         let name = format!("gemv_tma_q{bits}_r{r}_m{mode}_n{nv}");
                         gemv.push(gm.load_function(&name).with_context(|| format!("kernel {name} in gemv.cu"))?);
@@ -248,7 +261,7 @@ impl Gpu {
                 }
             }
         }
-        for func in gemv.iter().chain([&f.moe_down]) {
+        for func in gemv.iter().chain([&f.moe_down, &f.router_topk_q8]) {
             func.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 TMA_SMEM_MAX as i32,
@@ -303,7 +316,7 @@ impl Gpu {
 
     /// A launch of `func` (see [`KLaunch`]).
     pub fn launcher<'a>(&'a self, func: &'a CudaFunction) -> KLaunch<'a> {
-        KLaunch { gpu: self, func, words: Vec::with_capacity(16) }
+        KLaunch { gpu: self, func, words: Vec::with_capacity(16), cluster: None }
     }
 
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>> {
@@ -325,55 +338,45 @@ impl Gpu {
         (tiles.div_ceil(8) as u32).min(self.sms * occ.max(1))
     }
 
-    /// `y = W xn` (or `y += W xn` when `accumulate`), where xn is `x`, `RMSNorm(x) * gain` (gain given, no z),
-    /// or the per-head gated RMSNorm `norm(x_h) * gain * silu(z)` over heads of `hd` (gain and z given).
+    /// `y = W xn` (or `y += W xn` when `accumulate`), where xn is `x`, or `RMSNorm(x) * gain` when a gain is
+    /// given. Streamed kernel (gemv.cu `gemv_tma_*`): the weights reach shared memory by bulk copies in stages of
+    /// 8R rows (R = 4 for large matrices, 1 for small ones), issued before the dependency wait.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
         m: &QMat,
         x: &CudaSlice<f32>,
         gain: Option<&CudaSlice<f32>>,
-        z: Option<(&CudaSlice<f32>, usize, usize)>,
         eps: f32,
         y: &mut CudaSlice<f32>,
         y_off: usize,
         accumulate: bool,
     ) -> Result<()> {
         ensure!(x.len() >= m.cols && y.len() >= y_off + m.rows, "gemv: x {} / y {} too short", x.len(), y.len());
+        ensure!(gain.is_none_or(|g| g.len() >= m.cols), "gemv: gain shorter than cols");
+        let (func, grid, smem, nstages) = self.gemv_plan(m, gain.is_some(), false)?;
+        let (rows, cols, gshift, acc) = (m.rows as i32, m.cols as i32, group_shift(m.gs, m.bits)?, accumulate as i32);
+        let yv = y.slice(y_off..);
+        let mut l = self.launcher(func);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gshift).arg(x);
+        match gain {
+            Some(g) => l.arg(g),
+            None => l.arg(&NULL),
+        };
+        l.arg(&eps).arg(&yv).arg(&acc).arg(&nstages);
+        // SAFETY: argument list matches gemv_tma_* in gemv.cu; x, y and gain checked above; the bulk copies read
+        // whole rows of w (cols*bits/8 is a multiple of 16) and at most 16 bytes past the scales/biases of the last
+        // row (padding checked by gemv_plan); shared memory = x + chunk sums + ring.
+        unsafe { l.launch(cfg((grid, 1), GEMV_THREADS, smem)) }?;
+        Ok(())
+    }
+
+    /// Kernel, grid, shared memory and ring stages of the streamed GEMV for `m` (`router`: the router kernel,
+    /// 8-bit, one row per warp).
+    fn gemv_plan(&self, m: &QMat, rms: bool, router: bool) -> Result<(&CudaFunction, u32, usize, i32)> {
         ensure!(m.bits == 4 || m.bits == 8, "gemv: {}-bit weights", m.bits);
         ensure!(m.cols * m.bits as usize % 128 == 0 && m.gs % (128 / m.bits as usize) == 0, "gemv: bad layout");
         ensure!(m.cols <= 4096, "gemv: cols {} over the kernel's prologue (at most 4096)", m.cols);
-        let hd = match z {
-            Some((zs, off, h)) => {
-                let ok = h > 0 && gain.is_some_and(|g| g.len() >= h) && zs.len() >= off + m.cols && m.cols % h == 0;
-                ensure!(ok, "gemv: gated norm needs gain[hd], z[off + cols] and cols % hd == 0");
-                ensure!(h % 4 == 0 && (h / 4).is_power_of_two() && h <= 128, "gemv: gated head size {h} unsupported");
-                h as i32
-            }
-            None => {
-                ensure!(gain.is_none_or(|g| g.len() >= m.cols), "gemv: gain shorter than cols");
-                0
-            }
-        };
-        self.gemv_tma(m, x, gain, z, hd, eps, y, y_off, accumulate)
-    }
-
-    /// [`Gpu::gemv`] through the streamed kernel (gemv_tma_*): weights copied into shared memory in stages of 8R
-    /// rows before the dependency wait. Shapes were checked by the caller; `hd` is 0 without the gated norm.
-    #[allow(clippy::too_many_arguments)]
-    fn gemv_tma(
-        &self,
-        m: &QMat,
-        x: &CudaSlice<f32>,
-        gain: Option<&CudaSlice<f32>>,
-        z: Option<(&CudaSlice<f32>, usize, usize)>,
-        hd: i32,
-        eps: f32,
-        y: &mut CudaSlice<f32>,
-        y_off: usize,
-        accumulate: bool,
-    ) -> Result<()> {
-        let gshift = group_shift(m.gs, m.bits)?;
         let ng = m.cols / m.gs;
         ensure!(
             m.s.len() >= m.rows * ng + SB_PAD && m.b.len() >= m.rows * ng + SB_PAD,
@@ -381,7 +384,7 @@ impl Gpu {
         );
         let sms = self.sms as usize;
         // 4 rows per warp (32-row stages) when that still gives every SM two stages, else 1 row per warp
-        let r4 = m.rows.div_ceil(32) >= 2 * sms;
+        let r4 = !router && m.rows.div_ceil(32) >= 2 * sms;
         let sr = if r4 { 32 } else { 8 };
         let nst = m.rows.div_ceil(sr);
         let grid = nst.min(sms);
@@ -392,31 +395,12 @@ impl Gpu {
         let nvec = m.cols * m.bits as usize / 128;
         let smem = ((padx_len(m.cols) + nvec) * 4).div_ceil(128) * 128 + nstages * stage;
         ensure!(smem <= TMA_SMEM_MAX, "gemv: {} x {} needs {smem} bytes of shared memory", m.rows, m.cols);
-        let mode = match (gain, hd) {
-            (None, _) => 0,
-            (Some(_), 0) => 1,
-            (Some(_), _) => 2,
+        let func = if router {
+            &self.f.router_topk_q8
+        } else {
+            &self.gemv[(((m.bits == 8) as usize * 2 + !r4 as usize) * 2 + rms as usize) * 2 + (m.cols > 2048) as usize]
         };
-        let func = &self.gemv[(((m.bits == 8) as usize * 2 + !r4 as usize) * 3 + mode) * 2 + (m.cols > 2048) as usize];
-        let (rows, cols, acc, ns) = (m.rows as i32, m.cols as i32, accumulate as i32, nstages as i32);
-        let yv = y.slice(y_off..);
-        let mut l = self.launcher(func);
-        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gshift).arg(x);
-        match gain {
-            Some(g) => l.arg(g),
-            None => l.arg(&NULL),
-        };
-        let zv = z.map(|(zs, off, _)| zs.slice(off..));
-        match &zv {
-            Some(v) => l.arg(v),
-            None => l.arg(&NULL),
-        };
-        l.arg(&hd).arg(&eps).arg(&yv).arg(&acc).arg(&ns);
-        // SAFETY: argument list matches gemv_tma_* in gemv.cu; x, y, gain and z were checked by `gemv`; the bulk
-        // copies read whole rows of w (cols*bits/8 is a multiple of 16, checked by `gemv`) and at most 16 bytes
-        // past the scales/biases of the last row (padding checked above); shared memory = x + chunk sums + ring.
-        unsafe { l.launch(cfg((grid as u32, 1), GEMV_THREADS, smem)) }?;
-        Ok(())
+        Ok((func, grid as u32, smem, nstages as i32))
     }
 
     /// Router softmax + top-k + renormalise (+ shared-expert gate in slot k).
@@ -462,21 +446,20 @@ impl Gpu {
             m.cols,
             m.bits
         );
-        ensure!(m.cols * 8 % 128 == 0 && m.cols <= 2048 && x.len() >= m.cols && gain.len() >= m.cols, "router_topk: x");
+        ensure!(m.cols <= 2048 && x.len() >= m.cols && gain.len() >= m.cols, "router_topk: x");
         ensure!(
             logits.len() >= m.rows && idx.len() > k && wts.len() > k && !counter.is_empty(),
             "router_topk: outputs"
         );
-        let smem = (padx_len(m.cols) + m.cols / 16) * 4;
-        let func = &self.f.router_topk_q8;
-        let c = cfg((self.grid_resident(func, m.rows, smem), 1), GEMV_THREADS, smem);
+        let (func, grid, smem, nstages) = self.gemv_plan(m, true, true)?;
         let (rows, cols, gs, ki) = (m.rows as i32, m.cols as i32, group_shift(m.gs, 8)?, k as i32);
         let mut l = self.launcher(func);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*logits);
-        l.arg(&ki).arg(&*counter).arg(&*idx).arg(&*wts);
+        l.arg(&nstages).arg(&ki).arg(&*counter).arg(&*idx).arg(&*wts);
         // SAFETY: matches router_topk_q8 in gemv.cu; buffers checked above (logits E+1, idx/wts k+1 slots); the
-        // counter is only touched by this kernel, which returns it to zero; launches on one stream never overlap.
-        unsafe { l.launch(c) }?;
+        // counter is only touched by this kernel, which returns it to zero; launches on one stream never overlap;
+        // the bulk copies and shared memory as in `gemv` (gemv_plan checked the layout and padding).
+        unsafe { l.launch(cfg((grid, 1), GEMV_THREADS, smem)) }?;
         Ok(())
     }
 
@@ -562,7 +545,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// Gated DeltaNet core for one layer (see gdn.cu). `dims` = (Hk, Hv, dk, dv, K).
+    /// Gated DeltaNet core for one layer, gated RMSNorm included (see gdn.cu): `out` = norm(o_h) * gain * silu(z).
+    /// `dims` = (Hk, Hv, dk, dv, K).
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_step(
         &self,
@@ -574,19 +558,24 @@ impl Gpu {
         state: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
         pos: &CudaSlice<i32>,
+        norm: &CudaSlice<f32>,
+        eps: f32,
         (hk, hv, dk, dv, k): (usize, usize, usize, usize, usize),
     ) -> Result<()> {
         let conv_dim = 2 * hk * dk + hv * dv;
-        ensure!(dk <= 128 && hv % hk == 0 && k >= 1, "gdn_step: dims");
+        ensure!(dk <= 128 && dv <= 256 && hv % hk == 0 && k >= 1, "gdn_step: dims");
         ensure!(proj.len() >= conv_dim + hv * dv + 2 * hv && conv_w.len() == conv_dim * k, "gdn_step: proj/conv");
         ensure!(ring.len() >= k * conv_dim && state.len() >= hv * dk * dv && out.len() >= hv * dv, "gdn_step: state");
-        ensure!(a_log.len() >= hv && dt_bias.len() >= hv && !pos.is_empty(), "gdn_step: vectors");
+        ensure!(a_log.len() >= hv && dt_bias.len() >= hv && !pos.is_empty() && norm.len() >= dv, "gdn_step: vectors");
         let d = [hk, hv, dk, dv, k].map(|v| v as i32);
+        let chunks = dv.div_ceil(32) as u32;
         let mut l = self.launcher(&self.f.gdn_step);
-        l.arg(proj).arg(conv_w).arg(&*ring).arg(a_log).arg(dt_bias).arg(&*state).arg(&*out).arg(pos);
-        l.arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&d[3]).arg(&d[4]);
-        // SAFETY: matches gdn_step in gdn.cu; all buffers checked above; one block per (value head, 32 columns).
-        unsafe { l.launch(cfg((hv as u32, dv.div_ceil(32) as u32), 128, 0)) }?;
+        l.arg(proj).arg(conv_w).arg(&*ring).arg(a_log).arg(dt_bias).arg(&*state).arg(&*out).arg(pos).arg(norm);
+        l.arg(&eps).arg(&d[0]).arg(&d[1]).arg(&d[2]).arg(&d[3]).arg(&d[4]);
+        l.cluster = Some((1, chunks, 1));
+        // SAFETY: matches gdn_step in gdn.cu; all buffers checked above; one block per (value head, 32 columns),
+        // the blocks of one head form a cluster (<= 8 blocks: dv <= 256).
+        unsafe { l.launch(cfg((hv as u32, chunks), 128, 0)) }?;
         Ok(())
     }
 

@@ -187,21 +187,15 @@ impl DeviceState {
                         c.linear_value_head_dim,
                         c.linear_conv_kernel_dim,
                     );
-                    timed("gdn_in_proj", &mut || {
-                        g.gemv(proj, &st.x, Some(&l.in_norm), None, eps, &mut st.proj, 0, false)
-                    })?;
+                    timed("gdn_in_proj", &mut || g.gemv(proj, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false))?;
                     timed("gdn_core", &mut || {
-                        g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, dims)
+                        g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, norm, eps, dims)
                     })?;
-                    let zoff = c.linear_conv_dim();
-                    let hd = c.linear_value_head_dim;
-                    timed("gdn_out_proj", &mut || {
-                        g.gemv(out, &st.o, Some(norm), Some((&st.proj, zoff, hd)), eps, &mut st.x, 0, true)
-                    })?;
+                    timed("gdn_out_proj", &mut || g.gemv(out, &st.o, None, eps, &mut st.x, 0, true))?;
                 }
                 (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) => {
                     let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                    timed("attn_qkv", &mut || g.gemv(qkv, &st.x, Some(&l.in_norm), None, eps, &mut st.proj, 0, false))?;
+                    timed("attn_qkv", &mut || g.gemv(qkv, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false))?;
                     let theta = c.rope_theta as f32;
                     timed("attn_prep", &mut || {
                         g.attn_prep(
@@ -222,7 +216,7 @@ impl DeviceState {
                         g.attn_decode(&st.qbuf, kc, vc, &st.pos, (nh, nkv, hd), ns, &mut st.part)
                     })?;
                     timed("attn_combine", &mut || g.attn_combine(&st.part, &st.proj, nh, hd, ns, &mut st.o))?;
-                    timed("attn_o_proj", &mut || g.gemv(o, &st.o, None, None, eps, &mut st.x, 0, true))?;
+                    timed("attn_o_proj", &mut || g.gemv(o, &st.o, None, eps, &mut st.x, 0, true))?;
                 }
                 _ => unreachable!("state follows the model's layer kinds"),
             }
@@ -247,7 +241,7 @@ impl DeviceState {
             })?;
             timed("moe_down", &mut || g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x))?;
         }
-        timed("lm_head", &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), None, eps, &mut st.logits, 0, false))?;
+        timed("lm_head", &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), eps, &mut st.logits, 0, false))?;
         timed("argmax", &mut || g.argmax(&st.logits, &mut st.apv, &mut st.api, &mut st.tok, &mut st.pos))?;
         Ok(())
     }

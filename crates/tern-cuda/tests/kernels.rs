@@ -16,7 +16,7 @@ use tern_cuda::gpu::QMat;
 use tern_cuda::model::{DMixer, DeviceModel};
 use tern_cuda::seq::{CudaOptions, CudaSequence};
 use tern_cuda::{gpu_or_skip, CudaBackend, Gpu};
-use tern_model::forward::{attention_core, delta_net_core, moe, rms_norm, route, silu};
+use tern_model::forward::{attention_core, delta_net_core, moe, rms_norm, route};
 use tern_model::mlx::{HfValues, QuantSpec};
 use tern_model::quant::QuantMatrix;
 use tern_model::random::RandomValues;
@@ -93,8 +93,9 @@ fn small_moe(mut c: Config) -> Config {
     c
 }
 
-/// GDN core over consecutive steps: conv-ring update + SiLU + l2norm + gates + delta rule (f32 state), then the
-/// gated RMSNorm fused into the out_proj GEMV. Checks the output, the f32 state and the conv inputs every step.
+/// GDN core over consecutive steps: conv-ring update + SiLU + l2norm + gates + delta rule (f32 state) + the gated
+/// RMSNorm (per-head sum gathered across a thread-block cluster), then out_proj. Checks the output, the f32 state
+/// and the conv inputs every step.
 #[test]
 fn gdn_core_matches_cpu() {
     let Some(g) = gpu_or_skip("gdn_core_matches_cpu") else { return };
@@ -131,19 +132,15 @@ fn gdn_core_matches_cpu() {
                 (&proj[..cd], &proj[cd..cd + vd], &proj[cd + vd..cd + vd + hv], &proj[cd + vd + hv..]);
             let dproj = g.upload(&proj).unwrap();
             set_pos(&g, &mut pos, t);
-            g.gdn_step(&dproj, conv, &mut ring, a_log, dt_bias, &mut state, &mut o, &pos, (hk, hv, dk, dv, kk))
-                .unwrap();
-            g.gemv(out, &o, Some(norm), Some((&dproj, cd, dv)), c.rms_norm_eps, &mut y, 0, false).unwrap();
+            let eps = c.rms_norm_eps;
+            let dims = (hk, hv, dk, dv, kk);
+            g.gdn_step(&dproj, conv, &mut ring, a_log, dt_bias, &mut state, &mut o, &pos, norm, eps, dims).unwrap();
+            g.gemv(out, &o, None, eps, &mut y, 0, false).unwrap();
             let want_o = delta_net_core(&c, gd, &mut cconv, &mut cs, mixed, z, b, a, 1);
             let mut want_y = vec![0.0; c.hidden_size];
             gd.out_proj.forward(&want_o, 1, &mut want_y);
-            // the core alone: the GPU's raw o through the CPU's gated norm
-            let mut got_o = g.download(&o).unwrap();
-            for (orow, zrow) in got_o.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
-                rms_norm(orow, &gd.norm, c.rms_norm_eps);
-                orow.iter_mut().zip(zrow).for_each(|(ov, zv)| *ov *= silu(*zv));
-            }
-            e_core = e_core.max(rel(&got_o, &want_o));
+            // the core with its gated norm, then out_proj
+            e_core = e_core.max(rel(&g.download(&o).unwrap(), &want_o));
             e_out = e_out.max(rel(&g.download(&y).unwrap(), &want_y));
             e_state = e_state.max(rel(&g.download(&state).unwrap(), &cs));
             // ring slot p % K holds the pre-conv input of position p; the CPU keeps positions t-K+2..=t in order
@@ -157,8 +154,8 @@ fn gdn_core_matches_cpu() {
             }
         }
         println!(
-            "gdn core {name} (Hk {hk} Hv {hv} dk {dk} dv {dv}), 12 steps: rel err core {e_core:.2e}, \
-             +gated norm+out_proj {e_out:.2e}, f32 state {e_state:.2e}, conv inputs {e_conv:.2e}"
+            "gdn core {name} (Hk {hk} Hv {hv} dk {dk} dv {dv}), 12 steps: rel err core+gated norm {e_core:.2e}, \
+             +out_proj {e_out:.2e}, f32 state {e_state:.2e}, conv inputs {e_conv:.2e}"
         );
         assert!(e_core < 1e-4 && e_out < 1e-4 && e_state < 1e-4, "gdn {name}: {e_core} {e_out} {e_state}");
         assert!(e_conv == 0.0, "gdn {name}: conv ring differs from the CPU's inputs ({e_conv})");
@@ -345,17 +342,17 @@ fn embed_matches_cpu_dequant() {
     assert!(worst < 1e-6, "embed: {worst}");
 }
 
-/// The RMSNorm fusions of the GEMV prologue at the model's shapes: input/post norm (gain with the +1), the
-/// per-head gated norm of the GDN output, with and without the residual accumulate.
+/// The RMSNorm fusion of the GEMV prologue at the model's shapes (input/post norms: gain with the +1), with and
+/// without the residual accumulate; and the plain prologue at out_proj's shape (2048 x 4096).
 #[test]
 fn rmsnorm_fusions_match_cpu() {
     let Some(g) = gpu_or_skip("rmsnorm_fusions_match_cpu") else { return };
     let mut rng = Rng(23);
     let eps = 1e-6;
     let mut report = Vec::new();
-    // (rows, cols, bits, head dim of the gated norm or 0)
-    for (rows, cols, bits, hd) in
-        [(12352usize, 2048usize, 4u32, 0usize), (257, 2048, 8, 0), (2048, 4096, 4, 128), (96, 192, 4, 32)]
+    // (rows, cols, bits, with the norm)
+    for (rows, cols, bits, norm) in
+        [(12352usize, 2048usize, 4u32, true), (257, 2048, 8, true), (2048, 4096, 4, false), (96, 192, 4, true)]
     {
         let gs = if cols % 64 == 0 { 64 } else { 32 };
         let q = QuantMatrix::quantize_grouped(&rng.vec(rows * cols, 1.0), rows, cols, bits, gs).unwrap();
@@ -363,31 +360,21 @@ fn rmsnorm_fusions_match_cpu() {
         let x = rng.vec(cols, 3.0);
         let y0 = rng.vec(rows, 1.0);
         let mut xn = x.clone();
-        let (gain, z) = if hd == 0 {
-            let gain: Vec<f32> = rng.vec(cols, 0.5).iter().map(|v| 1.0 + v).collect();
+        let gain: Vec<f32> = rng.vec(cols, 0.5).iter().map(|v| 1.0 + v).collect();
+        if norm {
             rms_norm(&mut xn, &gain, eps);
-            (gain, Vec::new())
-        } else {
-            let gain: Vec<f32> = rng.vec(hd, 0.5).iter().map(|v| 1.0 + v).collect();
-            let z = rng.vec(cols, 3.0);
-            for (r, zr) in xn.chunks_exact_mut(hd).zip(z.chunks_exact(hd)) {
-                rms_norm(r, &gain, eps);
-                r.iter_mut().zip(zr).for_each(|(v, zv)| *v *= silu(*zv));
-            }
-            (gain, z)
-        };
+        }
         let mut want = vec![0.0; rows];
         q.gemv(&xn, &mut want);
-        let (dx, dgain, dz) = (g.upload(&x).unwrap(), g.upload(&gain).unwrap(), g.upload(&z).unwrap());
-        let zarg = (hd > 0).then_some((&dz, 0, hd));
+        let (dx, dgain) = (g.upload(&x).unwrap(), g.upload(&gain).unwrap());
         for acc in [false, true] {
             let mut dy = g.upload(&y0).unwrap();
-            g.gemv(&dm, &dx, Some(&dgain), zarg, eps, &mut dy, 0, acc).unwrap();
+            g.gemv(&dm, &dx, norm.then_some(&dgain), eps, &mut dy, 0, acc).unwrap();
             let got: Vec<f32> =
                 g.download(&dy).unwrap().iter().zip(&y0).map(|(a, b)| if acc { a - b } else { *a }).collect();
             let e = rel(&got, &want);
-            report.push(format!("{rows}x{cols} q{bits} {} acc={acc}: {e:.2e}", if hd > 0 { "gated" } else { "rms" }));
-            assert!(e < 1e-4, "norm fusion {rows}x{cols} hd {hd} acc {acc}: {e}");
+            report.push(format!("{rows}x{cols} q{bits} {} acc={acc}: {e:.2e}", if norm { "rms" } else { "plain" }));
+            assert!(e < 1e-4, "norm fusion {rows}x{cols} norm {norm} acc {acc}: {e}");
         }
     }
     println!("rmsnorm fusions: {}", report.join("; "));

@@ -246,18 +246,17 @@ __device__ __forceinline__ void warp_rows_dot(const uint4* const (&wr)[R], const
 // instruction-cache misses were the largest stall of the GEMVs while every kernel held all three).
 #define XM_PLAIN 0  // xn = x
 #define XM_RMS 1    // xn = RMSNorm(x) * gain
-#define XM_GATED 2  // xn = RMSNorm(x_h) * gain[j] * silu(z) per head of hd columns
 
 // The gain of a GEMV prologue's norm, loaded into registers BEFORE the dependency wait (it is a weight): per
-// thread the NV float4s of columns 4*(tid + 256 j) (RMSNorm over cols), or, for the gated per-head norm, the gain
-// of those columns' positions within their head (gain[(4c) % hd ..]). Loading it after the wait put a DRAM round
-// trip (slow while other kernels stream weights) on every kernel's critical path.
+// thread the NV float4s of columns 4*(tid + 256 j). Loading it after the wait put a DRAM round
+// trip (slow while other kernels stream weights) on every kernel's critical path. (The gated per-head norm of the
+// GDN output lives in gdn_step.)
 template <int NV>
 struct GainRegs {
     float4 g[NV];
 };
 template <int NV, int MODE>
-__device__ __forceinline__ GainRegs<NV> load_gain(const float* __restrict__ gain, int hd, int cols) {
+__device__ __forceinline__ GainRegs<NV> load_gain(const float* __restrict__ gain, int cols) {
     GainRegs<NV> r;
     const int n4 = cols >> 2;
 #pragma unroll
@@ -265,33 +264,24 @@ __device__ __forceinline__ GainRegs<NV> load_gain(const float* __restrict__ gain
         const int c4 = threadIdx.x + 256 * j;
         r.g[j] = make_float4(1.f, 1.f, 1.f, 1.f);
         if (MODE == XM_RMS && c4 < n4) r.g[j] = reinterpret_cast<const float4*>(gain)[c4];
-        if (MODE == XM_GATED && c4 < n4) {
-            const int jj = (4 * c4) % hd;
-            r.g[j] = make_float4(gain[jj], gain[jj + 1], gain[jj + 2], gain[jj + 3]);
-        }
     }
     return r;
 }
 
 // Prologue of the GEMV-like kernels (blockDim.x == 256, cols % 4 == 0, cols <= 1024 * NV): stages xn * xscale
 // into padded smem `xs` (xscale = DN_XSCALE for the denormal decode) and the sums of xn over chunks of `cpv`
-// columns into `cs`, xn as MODE says (gated: hd/4 a power of two <= 32). `gr` holds the gain (load_gain, before
-// the wait). Each thread loads its float4s of x (and z) up front (one round trip), norms reduce in
-// registers/shuffles, chunk sums by shuffles over the cpv/4 threads that own a chunk; ends with one barrier.
+// columns into `cs`, xn = x (XM_PLAIN) or RMSNorm(x) * gain (XM_RMS; `gr` holds the gain, loaded before the
+// wait). Each thread loads its float4s of x up front (one round trip), the norm reduces in registers/shuffles,
+// chunk sums by shuffles over the cpv/4 threads that own a chunk; ends with one barrier.
 template <int NV, int MODE>
-__device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainRegs<NV>& gr,
-                                        const float* __restrict__ z, int hd, float eps, int cols, int cpv,
-                                        float* xs, float* cs, float* red, float xscale = DN_XSCALE) {
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainRegs<NV>& gr, float eps, int cols,
+                                        int cpv, float* xs, float* cs, float* red, float xscale = DN_XSCALE) {
     const int tid = threadIdx.x, n4 = cols >> 2;
-    float4 v[NV], zv[NV];
+    float4 v[NV];
 #pragma unroll
     for (int j = 0; j < NV; j++) {
         const int c4 = tid + 256 * j;
         v[j] = c4 < n4 ? reinterpret_cast<const float4*>(x)[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (MODE == XM_GATED && c4 < n4) {
-            const float* zp = z + 4 * c4;  // z may be only 4-byte aligned (offset view)
-            zv[j] = make_float4(zp[0], zp[1], zp[2], zp[3]);
-        }
     }
     if (MODE == XM_RMS) {
         float ss = 0.f;
@@ -302,20 +292,6 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainR
         for (int j = 0; j < NV; j++) {
             const float4 g = gr.g[j];
             v[j] = make_float4(v[j].x * r * g.x, v[j].y * r * g.y, v[j].z * r * g.z, v[j].w * r * g.w);
-        }
-    } else if (MODE == XM_GATED) {
-        const int tph = hd >> 2;  // threads per head (consecutive lanes of one warp)
-#pragma unroll
-        for (int j = 0; j < NV; j++) {
-            float ss = v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
-            for (int o = tph >> 1; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
-            const int c4 = tid + 256 * j;
-            if (c4 < n4) {
-                const float r = rsqrtf(ss / hd + eps);
-                const float4 g = gr.g[j];
-                v[j] = make_float4(v[j].x * r * g.x * silu_f(zv[j].x), v[j].y * r * g.y * silu_f(zv[j].y),
-                                   v[j].z * r * g.z * silu_f(zv[j].z), v[j].w * r * g.w * silu_f(zv[j].w));
-            }
         }
     }
     const int tpc = cpv >> 2;  // threads per chunk

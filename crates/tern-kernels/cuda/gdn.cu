@@ -3,21 +3,27 @@
 // (q also * dk^-1/2), beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias)), then per value
 // head h (key head h / (Hv/Hk)) with f32 state S [Hv, dk, dv]:
 //   S <- decay*S;  m = S^T k;  S <- S + k (beta (v - m))^T;  o = S^T q
-// The gated RMSNorm of o is fused into the out_proj GEMV prologue (gemv.cu).
-// Grid (Hv, ceil(dv/32)), 128 threads: warp w owns state rows i = w, w+4, ..., lane = value column (registers);
-// the state loads are issued first (they do not depend on the step's inputs) and overlap the conv/norm chain.
+// then the gated RMSNorm of the head: out = o * rsqrt(mean(o^2) + eps) * norm * silu(z) (z from proj).
+// Grid (Hv, ceil(dv/32)), 128 threads, clusters of the ceil(dv/32) blocks of one head (launch attribute): warp w
+// owns state rows i = w, w+4, ..., lane = value column (registers); the state loads are issued first (they do not
+// depend on the step's inputs) and overlap the conv/norm chain; the head's sum of squares is gathered from the
+// cluster's blocks through distributed shared memory.
 // Inputs: proj = [conv_dim (q|k|v) | value_dim (z) | Hv (b) | Hv (a)] f32; conv_w [conv_dim, K] f32;
 // ring [K, conv_dim] f32 (slot p % K holds the pre-conv input of position p); pos: device position counter.
 // Bytes per call: state 2 * Hv*dk*dv*4 (read+write) + ~(K+1)*conv_dim*4. FLOPs ~ 6*Hv*dk*dv.
 #include "common.cuh"
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
 
 #define MAXR 32  // dk <= 4 * MAXR = 128
 
 extern "C" __global__ void __launch_bounds__(128) gdn_step(
     const float* __restrict__ proj, const float* __restrict__ conv_w, float* __restrict__ ring,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, const int* __restrict__ pos_ptr, int Hk, int Hv, int dk, int dv, int K) {
+    float* __restrict__ out, const int* __restrict__ pos_ptr, const float* __restrict__ norm, float eps, int Hk, int Hv,
+    int dk, int dv, int K) {
     KTRACE(20);
+    __shared__ float ssq;  // this block's sum of o^2 over its 32 columns (read by the cluster)
     __shared__ float red[2][4];
     __shared__ float qs[128], ks[128];
     __shared__ float part[4][32];
@@ -61,10 +67,12 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     }
     if (active) pv = conv_past(chv, wv);
     const float ealog = __expf(a_log[h]), dtb = dt_bias[h];
+    const float gn = active ? norm[col] : 0.f;
     pdl_wait();  // proj comes from the previous kernel
     // all of this block's projection inputs in one round trip
     const float xq = has_qk ? proj[chq] : 0.f, xk = has_qk ? proj[chk] : 0.f, xv = active ? proj[chv] : 0.f;
     const float xb = proj[conv_dim + Vd + h], xa = proj[conv_dim + Vd + Hv + h];
+    const float xz = active ? proj[conv_dim + h * dv + col] : 0.f;
     const bool owner_qk = (h % (Hv / Hk) == 0) && chunk == 0;
     if (has_qk && owner_qk) {
         ring[cur * conv_dim + chq] = xq;
@@ -114,5 +122,15 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     __syncthreads();
     part[warp][lane] = o;
     __syncthreads();
-    if (warp == 0 && active) out[h * dv + col] = part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane];
+    o = part[0][lane] + part[1][lane] + part[2][lane] + part[3][lane];
+    if (warp == 0) {
+        const float t = warp_sum(active ? o * o : 0.f);
+        if (lane == 0) ssq = t;
+    }
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every block of the head has its ssq
+    float ss = 0.f;
+    for (unsigned int r = 0; r < cluster.num_blocks(); r++) ss += *cluster.map_shared_rank(&ssq, r);
+    if (warp == 0 && active) out[h * dv + col] = o * rsqrtf(ss / dv + eps) * gn * silu_f(xz);
+    cluster.sync();  // no block leaves while another may still read its ssq
 }

@@ -4,69 +4,15 @@
 // common.cuh: one round of float4 loads, register/shuffle reductions, one barrier; the norm's gain is loaded
 // before the dependency wait), 256 threads:
 //   * plain copy of x;
-//   * RMSNorm: x * rsqrt(mean(x^2) + eps) * gain  (gain already holds the +1 of the (1+w) norms);
-//   * gated RMSNorm per head of `hd` values (Gated DeltaNet output): norm(x_h) * gain[j] * silu(z).
+//   * RMSNorm: x * rsqrt(mean(x^2) + eps) * gain  (gain already holds the +1 of the (1+w) norms).
 // Epilogue: y = acc, or y += acc (residual add, each row owned by one warp). Decode of the codes: denormal trick,
 // common.cuh (one LOP3 + one FFMA per weight).
 // gemv_tma_*   : the decode step's GEMVs (every projection and lm_head), weights streamed through shared memory by
 //                bulk copies issued before the dependency wait (see below).
-// router_topk_q8: the router GEMV (registers, grid-stride, weights prefetched into L2 before the wait) with the
-//                top-k fused into the last block (see moe.cu for the top-k).
+// router_topk_q8: the router GEMV (streamed the same way) with the top-k fused into the last block.
 // Bytes per call: rows*cols*BITS/8 + rows*(cols/gs)*4 (+ 4*cols per block for x, from L2).
 // FLOPs per call: 2*rows*cols (+ 4 per 16-byte chunk for the affine correction).
 #include "common.cuh"
-
-template <int BITS, int R, int U, bool DN = true>
-__device__ void gemv_body(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
-                          const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift, const float* __restrict__ x,
-                          const float* __restrict__ gain, const float* __restrict__ z, int hd, float eps,
-                          float* __restrict__ y, int accumulate) {
-    extern __shared__ float xs[];
-    __shared__ float red[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    constexpr int CPV = 128 / BITS;
-    const int nvec = cols / CPV;
-    const int ngroups = cols >> (gshift + (BITS == 4 ? 5 : 4));
-    {
-        // before the dependency wait: pull this warp's row tiles (weights, scales, biases) into L2 (weights never
-        // change) while the previous kernel finishes: all of them when the matrix fits easily in L2 (<= 32 MB),
-        // else only the first (lm_head: prefetched lines would be evicted before use and read twice)
-        const bool all = (long)rows * nvec * 16 <= (32l << 20);
-        for (long t0 = (long)blockIdx.x * nw + warp; t0 * R < rows; t0 += all ? (long)gridDim.x * nw : (long)rows) {
-            const long nr = min((long)R, rows - t0 * R);
-            prefetch_l2(reinterpret_cast<const uint4*>(w) + t0 * R * nvec, nr * nvec * 16, lane);
-            prefetch_l2(s + t0 * R * ngroups, nr * ngroups * 2, lane);
-            prefetch_l2(b + t0 * R * ngroups, nr * ngroups * 2, lane);
-        }
-    }
-    const GainRegs<2> gr = load_gain<2, XM_RMS>(gain, hd, cols);
-    pdl_wait();
-    float* cs = xs + padx_len(cols);
-    stage_x<2, XM_RMS>(x, gr, z, hd, eps, cols, CPV, xs, cs, red, DN ? DN_XSCALE : 1.f);
-    const uint4* w4 = reinterpret_cast<const uint4*>(w);
-    const int tiles = (rows + R - 1) / R;
-    for (int t = blockIdx.x * nw + warp; t < tiles; t += gridDim.x * nw) {
-        const uint4* wr[R];
-        const __nv_bfloat16 *sr[R], *br[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const long row = min(t * R + r, rows - 1);  // clamped tail rows: computed, never stored
-            wr[r] = w4 + row * nvec;
-            sr[r] = s + row * ngroups;
-            br[r] = b + row * ngroups;
-        }
-        float tot[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) tot[r] = 0.f;
-        warp_rows_dot<BITS, R, U, DN>(wr, sr, br, nvec, gshift, xs, cs, lane, tot);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const float acc = warp_sum(tot[r]);
-            const int row = t * R + r;
-            if (lane == r && row < rows) y[row] = accumulate ? y[row] + acc : acc;
-        }
-    }
-}
 
 // Streamed GEMV (gemv_tma_*): the same y = W xn with the same prologue and epilogue options, but the weights
 // reach shared memory through bulk copies (TMA, cp.async.bulk) issued BEFORE the dependency wait, so that a
@@ -85,9 +31,8 @@ __device__ void gemv_body(const uint32_t* __restrict__ w, const __nv_bfloat16* _
 template <int BITS, int R, int NV, int MODE>
 __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                               const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift,
-                              const float* __restrict__ x, const float* __restrict__ gain,
-                              const float* __restrict__ z, int hd, float eps, float* __restrict__ y, int accumulate,
-                              int S) {
+                              const float* __restrict__ x, const float* __restrict__ gain, float eps,
+                              float* __restrict__ y, int accumulate, int S) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[GT_MAXS];
     __shared__ float red[32];
@@ -123,10 +68,10 @@ __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat1
 #pragma unroll 1
         for (int i = 0; i < min(S, my); i++) issue(i, i);  // weights are constants: safe before the wait
     }
-    const GainRegs<NV> gr = load_gain<NV, MODE>(gain, hd, cols);
+    const GainRegs<NV> gr = load_gain<NV, MODE>(gain, cols);
     __syncthreads();
     pdl_wait();
-    stage_x<NV, MODE>(x, gr, z, hd, eps, cols, CPV, xs, cs, red, DN_XSCALE);
+    stage_x<NV, MODE>(x, gr, eps, cols, CPV, xs, cs, red, DN_XSCALE);
     trace_mark(0);
     int slot = 0;
     uint32_t phase = 0;
@@ -174,19 +119,18 @@ __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat1
     }
 }
 
-// gemv_tma_q{BITS}_r{R}_m{MODE}_n{NV}: MODE = prologue (0 plain, 1 RMSNorm, 2 gated RMSNorm), NV = cols / 1024
-// rounded up to 2 or 4 (cols <= 4096).
+// gemv_tma_q{BITS}_r{R}_m{MODE}_n{NV}: MODE = prologue (0 plain, 1 RMSNorm), NV = cols / 1024 rounded up to 2
+// or 4 (cols <= 4096).
 #define GEMV_TMA_KERNEL(BITS, R, MODE, NV)                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2) gemv_tma_q##BITS##_r##R##_m##MODE##_n##NV(             \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,         \
-        const float* x, const float* gain, const float* z, int hd, float eps, float* y, int accumulate, int S) {   \
+        const float* x, const float* gain, float eps, float* y, int accumulate, int S) {                           \
         KTRACE(12);                                                                                                \
-        gemv_tma_body<BITS, R, NV, MODE>(w, s, b, rows, cols, gshift, x, gain, z, hd, eps, y, accumulate, S);     \
+        gemv_tma_body<BITS, R, NV, MODE>(w, s, b, rows, cols, gshift, x, gain, eps, y, accumulate, S);            \
     }
 #define GEMV_TMA_MODES(BITS, R, NV) \
     GEMV_TMA_KERNEL(BITS, R, 0, NV) \
-    GEMV_TMA_KERNEL(BITS, R, 1, NV) \
-    GEMV_TMA_KERNEL(BITS, R, 2, NV)
+    GEMV_TMA_KERNEL(BITS, R, 1, NV)
 GEMV_TMA_MODES(4, 4, 2)
 GEMV_TMA_MODES(4, 4, 4)
 GEMV_TMA_MODES(4, 1, 2)
@@ -196,14 +140,15 @@ GEMV_TMA_MODES(8, 4, 4)
 GEMV_TMA_MODES(8, 1, 2)
 GEMV_TMA_MODES(8, 1, 4)
 
-// Router GEMV (8-bit, one row per warp) with the top-k fused as a tail: the last block to finish (device-wide
-// counter, reset by that block, so the kernel can be replayed in a graph) runs topk_warp over the E+1 logits.
-// rows = E + 1 (router rows, then the shared-expert gate).
-extern "C" __global__ void __launch_bounds__(256) router_topk_q8(
+// Router GEMV (8-bit, streamed as above, RMSNorm prologue) with the top-k fused as a tail: the last block to finish
+// (device-wide counter, reset by that block, so the kernel can be replayed in a graph) runs topk_warp over the E+1
+// logits. rows = E + 1 (router rows, then the shared-expert gate); cols <= 2048.
+extern "C" __global__ void __launch_bounds__(256, 2) router_topk_q8(
     const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,
-    const float* x, const float* gain, float eps, float* y, int k, unsigned int* counter, int* idx, float* wts) {
+    const float* x, const float* gain, float eps, float* y, int S, int k, unsigned int* counter, int* idx,
+    float* wts) {
     KTRACE(11);
-    gemv_body<8, 1, 4>(w, s, b, rows, cols, gshift, x, gain, nullptr, 0, eps, y, 0);
+    gemv_tma_body<8, 1, 2, XM_RMS>(w, s, b, rows, cols, gshift, x, gain, eps, y, 0, S);
     __shared__ bool last;
     __threadfence();
     __syncthreads();

@@ -44,10 +44,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
             prefetch_l2(reinterpret_cast<const uint4*>(we) + (Is + jj) * nvec, nr * nvec * 16, lane);
         }
     }
-    const GainRegs<2> gr = load_gain<2, XM_RMS>(gain, 0, H);
+    const GainRegs<2> gr = load_gain<2, XM_RMS>(gain, H);
     pdl_wait();
     float* cs = xs + padx_len(H);
-    stage_x<2, XM_RMS>(x, gr, nullptr, 0, eps, H, 32, xs, cs, red);
+    stage_x<2, XM_RMS>(x, gr, eps, H, 32, xs, cs, red);
     // a warp owns 2 items (gate and up rows of each: 4 rows in flight)
     for (int t = blockIdx.x * nw + warp; 2 * t < items; t += gridDim.x * nw) {
         const uint4* wr[4];
