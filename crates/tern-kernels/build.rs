@@ -12,7 +12,7 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
     let src_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("cuda");
     println!("cargo:rerun-if-changed=cuda");
-    for v in ["NVCC", "CUDA_HOME", "CUDA_PATH", "TERN_PTXAS_REPORT", "PATH"] {
+    for v in ["NVCC", "CUDA_HOME", "CUDA_PATH", "TERN_PTXAS_REPORT", "TERN_NO_KTRACE", "PATH"] {
         println!("cargo:rerun-if-env-changed={v}");
     }
     let mut sources: Vec<PathBuf> = std::fs::read_dir(&src_dir)
@@ -37,6 +37,9 @@ fn main() {
                 let cubin = out.join(format!("{stem}.cubin"));
                 let mut cmd = Command::new(&nvcc.bin);
                 cmd.args(["-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v", "-std=c++17"]);
+                if std::env::var_os("TERN_NO_KTRACE").is_some() {
+                    cmd.arg("-DTERN_NO_KTRACE");
+                }
                 for inc in &nvcc.includes {
                     cmd.arg(format!("-I{}", inc.display()));
                 }

@@ -192,13 +192,15 @@ const GEMV_THREADS: u32 = 256;
 /// Shared memory the streamed GEMV may use for its ring of weight stages: small enough that the next kernel's
 /// block fits on the same SM beside it (228 KB per SM).
 const TMA_RING_BUDGET: usize = 110 * 1024;
+/// Ring budget of a streamed GEMV whose blocks stream many stages (lm_head).
+const TMA_RING_BUDGET_DEEP: usize = 180 * 1024;
 /// Dynamic shared memory limit set on the streamed GEMV kernels.
 const TMA_SMEM_MAX: usize = 200 * 1024;
 /// Rows of x one moe_down block owns at most (DN_RB in moe.cu), and the largest k it takes (DN_MAXK + 1).
 const MOE_DOWN_RB: usize = 16;
 const MOE_DOWN_MAXK: usize = 17;
 /// Stages the streamed GEMV's ring holds at most (GT_MAXS in gemv.cu).
-const TMA_MAX_STAGES: usize = 4;
+const TMA_MAX_STAGES: usize = 6;
 /// Bytes a quantised matrix's scale and bias buffers carry past their end: the streamed GEMV copies them in
 /// 16-byte units.
 pub const SB_PAD: usize = 8;
@@ -391,7 +393,9 @@ impl Gpu {
         let rowb = m.cols * m.bits as usize / 8;
         let stage = sr * rowb + 2 * (sr * ng * 2).div_ceil(16) * 16;
         let per_block = nst.div_ceil(grid);
-        let nstages = (TMA_RING_BUDGET / stage).clamp(1, TMA_MAX_STAGES).min(per_block);
+        // a block that streams many stages (lm_head) gets a deeper ring: nothing needs to sit beside it
+        let budget = if per_block >= 8 { TMA_RING_BUDGET_DEEP } else { TMA_RING_BUDGET };
+        let nstages = (budget / stage).clamp(1, TMA_MAX_STAGES).min(per_block);
         let nvec = m.cols * m.bits as usize / 128;
         let smem = ((padx_len(m.cols) + nvec) * 4).div_ceil(128) * 128 + nstages * stage;
         ensure!(smem <= TMA_SMEM_MAX, "gemv: {} x {} needs {smem} bytes of shared memory", m.rows, m.cols);

@@ -76,7 +76,11 @@ struct KTrace {
         }
     }
 };
+#ifdef TERN_NO_KTRACE
+#define KTRACE(code)
+#else
 #define KTRACE(code) KTrace ktrace_(code)
+#endif
 
 __device__ __forceinline__ void pdl_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");

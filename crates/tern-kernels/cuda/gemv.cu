@@ -26,7 +26,7 @@
 // scale/bias buffers readable 16 bytes past their end (model.rs pads them), S <= GT_MAXS.
 // Bytes per call: rows*cols*BITS/8 + 4*rows*cols/gs (+ 4*cols per block for x, from L2).
 // FLOPs per call: 2*rows*cols.
-#define GT_MAXS 4
+#define GT_MAXS 6
 
 template <int BITS, int R, int NV, int MODE>
 __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
