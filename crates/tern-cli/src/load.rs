@@ -1,5 +1,7 @@
 //! Choosing the backend and loading a model for `run`, `chat` and `serve`.
 
+use std::io::IsTerminal;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
@@ -25,7 +27,31 @@ pub fn load_model(model: &str, backend: &str, ctx: usize) -> Result<Model> {
         // Quantised on load exactly as Model::load_cpu does; the kernels take 4-bit (and 8-bit) weights only.
         let w = Weights::load_with(&dir, LoadOptions { quantize: true })?;
         let opts = tern_cuda::seq::CudaOptions { max_context: ctx };
-        Model::with_backend(&dir, Arc::new(tern_cuda::CudaBackend::new(&w, opts)?))?
+        let t0 = std::time::Instant::now();
+        let tty = std::io::stderr().is_terminal();
+        let mut shown = usize::MAX;
+        let mut progress = |done: usize, n: usize| {
+            let pct = 100 * done / n.max(1);
+            // a bar redrawn in place on a terminal; a line per 25% in a log
+            if tty {
+                let bar = "#".repeat(pct / 4) + &" ".repeat(25 - pct / 4);
+                eprint!("\rtern: uploading weights [{bar}] {pct:>3}% ({done}/{n} layers)");
+            } else if pct / 25 != shown {
+                shown = pct / 25;
+                eprintln!("tern: uploading weights {pct}% ({done}/{n} layers)");
+            }
+        };
+        let be = tern_cuda::CudaBackend::new_with_progress(&w, opts, &mut progress)?;
+        let (bytes, secs) = (be.model.gpu.uploaded.load(Ordering::Relaxed) as f64, t0.elapsed().as_secs_f64());
+        if tty {
+            eprintln!();
+        }
+        eprintln!(
+            "tern: weights on the GPU: {:.2} GB in {secs:.1} s ({:.1} GB/s, CUDA context start included)",
+            bytes / 1e9,
+            bytes / 1e9 / secs.max(1e-9)
+        );
+        Model::with_backend(&dir, Arc::new(be))?
     } else {
         Model::load_cpu(&dir)?
     };

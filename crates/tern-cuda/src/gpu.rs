@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig,
-    ValidAsZeroBits,
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -172,6 +172,16 @@ impl KLaunch<'_> {
     }
 }
 
+/// Bytes of each of the two pinned staging buffers of [`Gpu::upload_parts`].
+const STAGE_BYTES: usize = 32 << 20;
+
+/// Pinned staging buffers for uploads, and the event that marks each one's last copy as done.
+struct Staging {
+    bufs: [cudarc::driver::PinnedHostSlice<u8>; 2],
+    done: [Option<cudarc::driver::CudaEvent>; 2],
+    next: usize,
+}
+
 /// One GPU: context, the stream every kernel runs on, and the kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -180,6 +190,9 @@ pub struct Gpu {
     /// The streamed GEMV's instantiations (gemv.cu `gemv_tma_q{bits}_r{R}_m{mode}_n{NV}`), see [`Gpu::gemv_plan`].
     gemv: Vec<CudaFunction>,
     pub sms: u32,
+    /// Bytes copied to the device by [`Gpu::upload_parts`] so far.
+    pub uploaded: std::sync::atomic::AtomicUsize,
+    staging: std::sync::Mutex<Option<Staging>>,
     /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
     pub pdl: bool,
     _modules: Vec<Arc<CudaModule>>,
@@ -271,7 +284,17 @@ impl Gpu {
         }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
-        Ok(Arc::new(Gpu { ctx, stream, f, gemv, sms, pdl, _modules: modules.into_iter().map(|m| m.1).collect() }))
+        Ok(Arc::new(Gpu {
+            ctx,
+            stream,
+            f,
+            gemv,
+            sms,
+            uploaded: Default::default(),
+            staging: Default::default(),
+            pdl,
+            _modules: modules.into_iter().map(|m| m.1).collect(),
+        }))
     }
 
     /// Turn the step trace on (emptying the trace buffers) or off in every module (common.cuh `KTrace`).
@@ -325,8 +348,45 @@ impl Gpu {
         Ok(self.stream.alloc_zeros::<T>(n.max(1))?)
     }
 
-    pub fn upload<T: DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
-        Ok(self.stream.clone_htod(v)?)
+    pub fn upload<T: DeviceRepr + ValidAsZeroBits>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        self.upload_parts(&[v], 0)
+    }
+
+    /// Upload the concatenation of `parts` followed by `pad` zeros, through two pinned (page-locked) staging
+    /// buffers: each chunk is copied from `parts` (e.g. the memory-mapped checkpoint) into one buffer while the
+    /// other one's DMA runs. Counts the bytes in [`Gpu::uploaded`].
+    pub fn upload_parts<T: DeviceRepr + ValidAsZeroBits>(&self, parts: &[&[T]], pad: usize) -> Result<CudaSlice<T>> {
+        let n: usize = parts.iter().map(|p| p.len()).sum::<usize>() + pad;
+        let mut dst = self.stream.alloc_zeros::<T>(n.max(1))?;
+        let base = dst.device_ptr_mut(&self.stream).0;
+        let mut guard = self.staging.lock().map_err(|_| anyhow::anyhow!("staging buffers poisoned"))?;
+        if guard.is_none() {
+            // SAFETY: the buffers are written before any byte of them is read (below).
+            let mk = || unsafe { self.ctx.alloc_pinned_with_flags::<u8>(STAGE_BYTES, 0) };
+            *guard = Some(Staging { bufs: [mk()?, mk()?], done: [None, None], next: 0 });
+        }
+        let st = guard.as_mut().expect("staging buffers allocated above");
+        let mut off = 0u64;
+        for part in parts {
+            // SAFETY: T is a plain device type (DeviceRepr: u32/u16/f32/i32); viewing its bytes is sound.
+            let bytes = unsafe { std::slice::from_raw_parts(part.as_ptr() as *const u8, std::mem::size_of_val(*part)) };
+            for chunk in bytes.chunks(STAGE_BYTES) {
+                let i = st.next;
+                if let Some(ev) = st.done[i].take() {
+                    ev.synchronize()?;
+                }
+                let buf = &mut st.bufs[i].as_mut_slice()?[..chunk.len()];
+                buf.copy_from_slice(chunk);
+                // SAFETY: dst holds n elements, off + chunk.len() <= n * size_of::<T>() by construction; buf is pinned
+                // host memory that is not touched again until the event recorded after this copy has completed.
+                unsafe { cudarc::driver::result::memcpy_htod_async(base + off, buf, self.stream.cu_stream()) }?;
+                st.done[i] = Some(self.stream.record_event(None)?);
+                st.next ^= 1;
+                off += chunk.len() as u64;
+            }
+        }
+        self.uploaded.fetch_add(off as usize, std::sync::atomic::Ordering::Relaxed);
+        Ok(dst)
     }
 
     pub fn download<T: DeviceRepr + Default + Clone>(&self, s: &CudaSlice<T>) -> Result<Vec<T>> {

@@ -67,18 +67,18 @@ pub fn stack(gpu: &Gpu, ms: &[&QuantMatrix], what: &str) -> Result<QMat> {
         );
     }
     let rows = ms.iter().map(|m| m.rows()).sum();
-    let w: Vec<u32> = ms.iter().flat_map(|m| m.packed().iter().copied()).collect();
-    let pad = std::iter::repeat_n(0u16, crate::gpu::SB_PAD);
-    let s: Vec<u16> = ms.iter().flat_map(|m| m.scales().iter().map(|v| v.to_bits())).chain(pad.clone()).collect();
-    let b: Vec<u16> = ms.iter().flat_map(|m| m.biases().iter().map(|v| v.to_bits())).chain(pad).collect();
+    // packed words go up straight from the (memory-mapped) matrices; scales/biases as raw bf16 bits + padding
+    let w: Vec<&[u32]> = ms.iter().map(|m| m.packed()).collect();
+    let s: Vec<u16> = ms.iter().flat_map(|m| m.scales().iter().map(|v| v.to_bits())).collect();
+    let b: Vec<u16> = ms.iter().flat_map(|m| m.biases().iter().map(|v| v.to_bits())).collect();
     Ok(QMat {
         rows,
         cols: f.cols(),
         bits: f.bits(),
         gs: f.group_size(),
-        w: gpu.upload(&w)?,
-        s: gpu.upload(&s)?,
-        b: gpu.upload(&b)?,
+        w: gpu.upload_parts(&w, 0)?,
+        s: gpu.upload_parts(&[&s], crate::gpu::SB_PAD)?,
+        b: gpu.upload_parts(&[&b], crate::gpu::SB_PAD)?,
     })
 }
 
@@ -87,28 +87,42 @@ fn experts(gpu: &Gpu, ms: &[Vec<&QuantMatrix>], what: &str) -> Result<Experts> {
     let first: Vec<&QuantMatrix> = ms[0].clone();
     let words: usize = first.iter().map(|m| m.packed().len()).sum();
     let groups: usize = first.iter().map(|m| m.scales().len()).sum();
-    let mut w = Vec::with_capacity(words * ms.len());
+    let mut w: Vec<&[u32]> = Vec::with_capacity(2 * ms.len());
     let mut s = Vec::with_capacity(groups * ms.len());
     let mut b = Vec::with_capacity(groups * ms.len());
+    let mut nw = 0;
     for (e, parts) in ms.iter().enumerate() {
         for m in parts {
             ensure!(m.bits() == 4 && m.group_size() == first[0].group_size(), "{what}: experts must be 4-bit");
-            w.extend(m.packed().iter().copied());
+            w.push(m.packed());
+            nw += m.packed().len();
             s.extend(m.scales().iter().map(|v| v.to_bits()));
             b.extend(m.biases().iter().map(|v| v.to_bits()));
         }
-        ensure!(e + 1 == ms.len() || w.len() == (e + 1) * words, "{what}: routed experts differ in size");
+        ensure!(e + 1 == ms.len() || nw == (e + 1) * words, "{what}: routed experts differ in size");
     }
-    Ok(Experts { w: gpu.upload(&w)?, s: gpu.upload(&s)?, b: gpu.upload(&b)?, words, groups, gs: first[0].group_size() })
+    let (w, s, b) = (gpu.upload_parts(&w, 0)?, gpu.upload(&s)?, gpu.upload(&b)?);
+    Ok(Experts { w, s, b, words, groups, gs: first[0].group_size() })
 }
 
 impl DeviceModel {
     /// Upload quantised weights (every linear 4-bit or 8-bit, as in the mlx checkpoints).
     pub fn upload(gpu: Arc<Gpu>, w: &Weights) -> Result<DeviceModel> {
+        DeviceModel::upload_with_progress(gpu, w, &mut |_, _| {})
+    }
+
+    /// [`DeviceModel::upload`], calling `progress(layers done, layers)` after each layer (bytes so far:
+    /// [`Gpu::uploaded`]).
+    pub fn upload_with_progress(
+        gpu: Arc<Gpu>,
+        w: &Weights,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<DeviceModel> {
         let c = &w.config;
         let g = &*gpu;
         let mut layers = Vec::new();
         for (i, l) in w.layers.iter().enumerate() {
+            progress(i, w.layers.len());
             fn q<'a>(lin: &'a Linear, n: &str) -> Result<&'a QuantMatrix> {
                 quant(lin, n)
             }
@@ -159,6 +173,8 @@ impl DeviceModel {
         let embed = stack(g, &[quant(&w.embed, "embed")?], "embed")?;
         let lm_head = stack(g, &[quant(&w.lm_head, "lm_head")?], "lm_head")?;
         let norm = g.upload(&w.norm)?;
+        g.stream.synchronize()?;
+        progress(w.layers.len(), w.layers.len());
         Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers })
     }
 

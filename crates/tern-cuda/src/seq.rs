@@ -317,8 +317,17 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// Upload loaded (quantised) weights to device 0.
     pub fn new(w: &Weights, opts: CudaOptions) -> Result<CudaBackend> {
+        CudaBackend::new_with_progress(w, opts, &mut |_, _| {})
+    }
+
+    /// [`CudaBackend::new`] reporting `progress(layers done, layers)` (see [`DeviceModel::upload_with_progress`]).
+    pub fn new_with_progress(
+        w: &Weights,
+        opts: CudaOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<CudaBackend> {
         let gpu = Gpu::new()?;
-        Ok(CudaBackend { model: Arc::new(DeviceModel::upload(gpu, w)?), opts })
+        Ok(CudaBackend { model: Arc::new(DeviceModel::upload_with_progress(gpu, w, progress)?), opts })
     }
 
     /// The full-shape model with random weights generated on the GPU (benchmarks; no disk).
