@@ -138,38 +138,24 @@ __device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
     return r;
 }
 
-// (bits | 2^23 as float) - 2^23: the exact value of a code field already in mantissa bits 0..22.
-__device__ __forceinline__ float mag(uint32_t bits) { return __uint_as_float(bits | 0x4B000000u) - 8388608.f; }
-
-// mag(w & MASK) with the mask and the magic exponent merged into one LOP3 ((a & b) | c = LUT 0xEA); the
-// compiler otherwise emitted two logic ops per code (SASS of gemv_q4: ~2 LOP3 per weight).
-template <uint32_t MASK>
-__device__ __forceinline__ float magm(uint32_t w) {
-    uint32_t r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(MASK), "r"(0x4B000000u));
-    return __uint_as_float(r) - 8388608.f;
-}
-
 // Denormal decode (DN): a masked field read as a float with exponent 0 is exactly field * 2^-149 (no implicit
 // one, so no magic offset to subtract): one LOP3 (AND) + one FFMA per weight. x is staged pre-scaled by
 // DN_XSCALE = 2^90 so the products stay normal; the per-chunk result is rescaled by 2^(149-90) (exact). Needs
 // denormals honoured (no -ftz / fast-math), which is nvcc's default.
 #define DN_XSCALE 1.2379400392853803e27f    // 2^90
 #define DN_UNSCALE 5.764607523034235e17f    // 2^59
-template <bool DN, uint32_t MASK>
+template <uint32_t MASK>
 __device__ __forceinline__ float cv(uint32_t w) {
-    if (DN) return __uint_as_float(w & MASK);
-    return magm<MASK>(w);
+    return __uint_as_float(w & MASK);
 }
 
 // Dot of one 16-byte chunk of packed codes of R rows with the matching x values (registers), affine-corrected:
-// tot[r] += scale[r] * sum(q*x) + bias[r] * xsum. Codes are extracted in place (mask + magic number: one LOP3
-// and one FADD per code, one shift per 32-bit word; a field must end at or below bit 22, hence the shifted upper
-// half-word); a field at bit offset 4j (8j) is 16^j (256^j) times the code, so fields accumulate in per-offset
-// buckets rescaled exactly by a power of two at the end of the chunk. With DN (default) the magic number is
-// replaced by the denormal decode above (x must then be staged times DN_XSCALE; xsum stays unscaled).
-// 4-bit: 32 columns per chunk, 8-bit: 16.
-template <int BITS, int R, bool DN = true>
+// tot[r] += scale[r] * sum(q*x) + bias[r] * xsum. Codes are extracted in place by the denormal decode above
+// (one AND per code, one shift per 32-bit word: the upper half-word is shifted down so that no field reaches the
+// exponent); a field at bit offset 4j (8j) is 16^j (256^j) times the code, so fields accumulate in per-offset
+// buckets rescaled exactly by a power of two at the end of the chunk. x must be staged times DN_XSCALE; xsum
+// stays unscaled. 4-bit: 32 columns per chunk, 8-bit: 16.
+template <int BITS, int R>
 __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const float* __restrict__ xp, const float (&sc)[R],
                                           const float (&bs)[R], float xsum, float (&tot)[R]) {
     float acc[R][4];
@@ -184,14 +170,14 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const float* __r
             for (int r = 0; r < R; r++) {
                 const uint32_t w = j == 0 ? wv[r].x : j == 1 ? wv[r].y : j == 2 ? wv[r].z : wv[r].w;
                 const uint32_t h = w >> 16;
-                acc[r][0] = fmaf(cv<DN, 0xFu>(w), xa.x, acc[r][0]);
-                acc[r][1] = fmaf(cv<DN, 0xF0u>(w), xa.y, acc[r][1]);
-                acc[r][2] = fmaf(cv<DN, 0xF00u>(w), xa.z, acc[r][2]);
-                acc[r][3] = fmaf(cv<DN, 0xF000u>(w), xa.w, acc[r][3]);
-                acc[r][0] = fmaf(cv<DN, 0xFu>(h), xb.x, acc[r][0]);
-                acc[r][1] = fmaf(cv<DN, 0xF0u>(h), xb.y, acc[r][1]);
-                acc[r][2] = fmaf(cv<DN, 0xF00u>(h), xb.z, acc[r][2]);
-                acc[r][3] = fmaf(cv<DN, 0xF000u>(h), xb.w, acc[r][3]);
+                acc[r][0] = fmaf(cv<0xFu>(w), xa.x, acc[r][0]);
+                acc[r][1] = fmaf(cv<0xF0u>(w), xa.y, acc[r][1]);
+                acc[r][2] = fmaf(cv<0xF00u>(w), xa.z, acc[r][2]);
+                acc[r][3] = fmaf(cv<0xF000u>(w), xa.w, acc[r][3]);
+                acc[r][0] = fmaf(cv<0xFu>(h), xb.x, acc[r][0]);
+                acc[r][1] = fmaf(cv<0xF0u>(h), xb.y, acc[r][1]);
+                acc[r][2] = fmaf(cv<0xF00u>(h), xb.z, acc[r][2]);
+                acc[r][3] = fmaf(cv<0xF000u>(h), xb.w, acc[r][3]);
             }
         } else {
             const float4 xa = *reinterpret_cast<const float4*>(xp + 4 * j);
@@ -199,10 +185,10 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const float* __r
             for (int r = 0; r < R; r++) {
                 const uint32_t w = j == 0 ? wv[r].x : j == 1 ? wv[r].y : j == 2 ? wv[r].z : wv[r].w;
                 const uint32_t h = w >> 16;  // byte 2 would touch bit 23 (the exponent) in place
-                acc[r][0] = fmaf(cv<DN, 0xFFu>(w), xa.x, acc[r][0]);
-                acc[r][1] = fmaf(cv<DN, 0xFF00u>(w), xa.y, acc[r][1]);
-                acc[r][2] = fmaf(cv<DN, 0xFFu>(h), xa.z, acc[r][2]);
-                acc[r][3] = fmaf(cv<DN, 0xFF00u>(h), xa.w, acc[r][3]);
+                acc[r][0] = fmaf(cv<0xFFu>(w), xa.x, acc[r][0]);
+                acc[r][1] = fmaf(cv<0xFF00u>(w), xa.y, acc[r][1]);
+                acc[r][2] = fmaf(cv<0xFFu>(h), xa.z, acc[r][2]);
+                acc[r][3] = fmaf(cv<0xFF00u>(h), xa.w, acc[r][3]);
             }
         }
     }
@@ -210,7 +196,7 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const float* __r
     for (int r = 0; r < R; r++) {
         float q = BITS == 4 ? acc[r][0] + acc[r][1] * 0.0625f + acc[r][2] * (1.f / 256.f) + acc[r][3] * (1.f / 4096.f)
                             : (acc[r][0] + acc[r][2]) + (acc[r][1] + acc[r][3]) * (1.f / 256.f);
-        if (DN) q *= DN_UNSCALE;
+        q *= DN_UNSCALE;
         tot[r] = fmaf(sc[r], q, fmaf(bs[r], xsum, tot[r]));
     }
 }
@@ -219,7 +205,7 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&wv)[R], const float* __r
 // chunks start at wr[r], its bf16 scales/biases at sr[r]/br[r]; chunk u uses group u >> gshift. Lanes take
 // chunks lane, lane+32, ...; U chunks per row are loaded (R*U independent 16-byte loads) before any is used.
 // cs[u]: sum of x over chunk u.
-template <int BITS, int R, int U, bool DN = true>
+template <int BITS, int R, int U>
 __device__ __forceinline__ void warp_rows_dot(const uint4* const (&wr)[R], const __nv_bfloat16* const (&sr)[R],
                                               const __nv_bfloat16* const (&br)[R], int nvec, int gshift,
                                               const float* xs, const float* cs, int lane, float (&tot)[R]) {
@@ -241,7 +227,7 @@ __device__ __forceinline__ void warp_rows_dot(const uint4* const (&wr)[R], const
 #pragma unroll
         for (int a = 0; a < U; a++) {
             const int u = u0 + 32 * a;
-            if (u < nvec) chunk_dot<BITS, R, DN>(wv[a], xs + padx(u * CPV), sc[a], bs[a], cs[u], tot);
+            if (u < nvec) chunk_dot<BITS, R>(wv[a], xs + padx(u * CPV), sc[a], bs[a], cs[u], tot);
         }
     }
 }
@@ -272,14 +258,14 @@ __device__ __forceinline__ GainRegs<NV> load_gain(const float* __restrict__ gain
     return r;
 }
 
-// Prologue of the GEMV-like kernels (blockDim.x == 256, cols % 4 == 0, cols <= 1024 * NV): stages xn * xscale
-// into padded smem `xs` (xscale = DN_XSCALE for the denormal decode) and the sums of xn over chunks of `cpv`
+// Prologue of the GEMV-like kernels (blockDim.x == 256, cols % 4 == 0, cols <= 1024 * NV): stages xn * DN_XSCALE
+// (for the denormal decode) into padded smem `xs` and the sums of xn over chunks of `cpv`
 // columns into `cs`, xn = x (XM_PLAIN) or RMSNorm(x) * gain (XM_RMS; `gr` holds the gain, loaded before the
 // wait). Each thread loads its float4s of x up front (one round trip), the norm reduces in registers/shuffles,
 // chunk sums by shuffles over the cpv/4 threads that own a chunk; ends with one barrier.
 template <int NV, int MODE>
 __device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainRegs<NV>& gr, float eps, int cols,
-                                        int cpv, float* xs, float* cs, float* red, float xscale = DN_XSCALE) {
+                                        int cpv, float* xs, float* cs, float* red) {
     const int tid = threadIdx.x, n4 = cols >> 2;
     float4 v[NV];
 #pragma unroll
@@ -306,7 +292,7 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainR
         for (int o = tpc >> 1; o > 0; o >>= 1) t += __shfl_xor_sync(FULL_MASK, t, o);
         if (c4 < n4) {
             *reinterpret_cast<float4*>(xs + padx(4 * c4)) =
-                make_float4(v[j].x * xscale, v[j].y * xscale, v[j].z * xscale, v[j].w * xscale);
+                make_float4(v[j].x * DN_XSCALE, v[j].y * DN_XSCALE, v[j].z * DN_XSCALE, v[j].w * DN_XSCALE);
             if ((c4 & (tpc - 1)) == 0) cs[c4 / tpc] = t;
         }
     }

@@ -71,7 +71,7 @@ __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat1
     const GainRegs<NV> gr = load_gain<NV, MODE>(gain, cols);
     __syncthreads();
     pdl_wait();
-    stage_x<NV, MODE>(x, gr, eps, cols, CPV, xs, cs, red, DN_XSCALE);
+    stage_x<NV, MODE>(x, gr, eps, cols, CPV, xs, cs, red);
     trace_mark(0);
     int slot = 0;
     uint32_t phase = 0;
@@ -97,7 +97,7 @@ __device__ void gemv_tma_body(const uint32_t* __restrict__ w, const __nv_bfloat1
                 sc[r] = bf(ss[r * ng + g]);
                 bs[r] = bf(bb[r * ng + g]);
             }
-            chunk_dot<BITS, R, true>(wv, xs + padx(u * CPV), sc, bs, cs[u], tot);
+            chunk_dot<BITS, R>(wv, xs + padx(u * CPV), sc, bs, cs[u], tot);
         }
 #pragma unroll
         for (int r = 0; r < R; r++) {
