@@ -58,6 +58,7 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--repeats and every --ctx must be positive");
     }
     match args.backend.as_str() {
+        "cpu" if args.trace => bail!("--trace traces the CUDA decode step: give --backend cuda"),
         "cpu" => {}
         "cuda" => {
             let cfg = args.config.as_ref().filter(|_| args.random_weights).context(

@@ -148,3 +148,11 @@ fn logits_split_gives_the_same_rows() {
     let e = String::from_utf8_lossy(&bad.unwrap().stderr).into_owned();
     assert!(e.contains("--split 3"), "{e}");
 }
+
+#[test]
+fn bench_trace_needs_the_cuda_backend() {
+    let out = tern().args(["bench", "--trace", "--random-weights", "--config", "/nonexistent"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--trace traces the CUDA decode step"), "stderr: {err}");
+}

@@ -510,7 +510,8 @@ impl Gpu {
             m.cols,
             m.bits
         );
-        ensure!(m.cols <= 2048 && x.len() >= m.cols && gain.len() >= m.cols, "router_topk: x");
+        ensure!(m.cols <= 2048, "router_topk: hidden size {} over the kernel's prologue (at most 2048)", m.cols);
+        ensure!(x.len() >= m.cols && gain.len() >= m.cols, "router_topk: x/gain shorter than {}", m.cols);
         ensure!(
             logits.len() >= m.rows && idx.len() > k && wts.len() > k && !counter.is_empty(),
             "router_topk: outputs"
@@ -546,7 +547,12 @@ impl Gpu {
         let imax = i.max(is);
         ensure!(x.len() >= h && idx.len() > k && act.len() >= (k + 1) * imax, "moe_gate_up: shapes");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up: expert buffer too short");
-        ensure!(h % 32 == 0 && h <= 2048 && gu.gs % 32 == 0 && i.is_power_of_two(), "moe_gate_up: layout");
+        ensure!(
+            h % 32 == 0 && h <= 2048 && gu.gs % 32 == 0 && i.is_power_of_two(),
+            "moe_gate_up: needs hidden size % 32 == 0 and <= 2048 (got {h}), group size % 32 == 0 (got {}), \
+             a power-of-two expert size (got {i})",
+            gu.gs
+        );
         let items = k * i + is;
         let smem = (padx_len(h) + h / 32) * 4;
         let c = cfg((self.grid_resident(&self.f.moe_gate_up, items.div_ceil(2), smem), 1), GEMV_THREADS, smem);
