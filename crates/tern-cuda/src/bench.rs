@@ -171,10 +171,12 @@ fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) 
         })?;
         show("moe_router_topk", t, l.router.bytes());
         let t = graph_time(g, n, &mut || {
-            g.moe_gate_up(&l.gate_up, e, &st.idx, k, sizes, &st.x, &l.post_norm, eps, &mut st.act)
+            g.moe_gate_up(&l.gate_up, e, k, sizes, &st.x, &l.post_norm, eps, &mut st.act, &st.counter)
         })?;
         show("moe_gate_up", t, k * q4(2 * i, h) + q4(2 * is, h));
-        let t = graph_time(g, n, &mut || g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x))?;
+        let t = graph_time(g, n, &mut || {
+            g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter)
+        })?;
         show("moe_down", t, k * q4(h, i) + q4(h, is));
     }
     if let Some(li) = ai {
@@ -220,6 +222,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         10 => "gemv_reg",
         11 => "router_topk",
         12 => "gemv_tma",
+        13 => "gemv_mma",
         20 => "gdn_step",
         30 => "attn_prep",
         31 => "attn_decode",
@@ -270,7 +273,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
     let mut layer = 0usize;
     for (code, _) in &launches {
         let f = match code {
-            12 | 10 => {
+            12 | 13 | 10 => {
                 let prev = fam.last().map(|s| s.as_str()).unwrap_or("");
                 match (prev, c.layer_types.get(layer)) {
                     ("gdn_step", _) => "gdn_out_proj",

@@ -23,7 +23,9 @@ pub struct TraceRec {
     pub nblocks: u32,
 }
 
-/// A quantised matrix on the device (MLX affine, bf16 scales/biases kept as raw u16 bits).
+/// A quantised matrix on the device (MLX affine, bf16 scales/biases kept as raw u16 bits), row-major as in the
+/// checkpoint, or (`tiled`, see [`Gpu::tile16`]) in the tensor-core GEMV's tile layout: then `w` holds the tiled
+/// codes, `s` the (scale, bias) pairs and `b` is `None`.
 pub struct QMat {
     pub rows: usize,
     pub cols: usize,
@@ -31,13 +33,22 @@ pub struct QMat {
     pub gs: usize,
     pub w: CudaSlice<u32>,
     pub s: CudaSlice<u16>,
-    pub b: CudaSlice<u16>,
+    pub b: Option<CudaSlice<u16>>,
+    pub tiled: bool,
 }
 
 impl QMat {
     /// Bytes one full pass reads.
     pub fn bytes(&self) -> usize {
         self.w.len() * 4 + self.rows * (self.cols / self.gs) * 4
+    }
+
+    /// Scales and biases of a row-major matrix.
+    fn row_major(&self, what: &str) -> Result<(&CudaSlice<u16>, &CudaSlice<u16>)> {
+        match (&self.b, self.tiled) {
+            (Some(b), false) => Ok((&self.s, b)),
+            _ => bail!("{what}: needs a row-major matrix, got the tensor-core tile layout"),
+        }
     }
 }
 
@@ -64,6 +75,9 @@ macro_rules! funcs {
                 };
                 Ok(Funcs { $($name: get($file, stringify!($name))?,)* })
             }
+            fn all(&self) -> Vec<&CudaFunction> {
+                vec![$(&self.$name,)*]
+            }
         }
     };
 }
@@ -74,7 +88,7 @@ funcs! {
     attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention",
     attn_combine: "attention",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
-    fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
+    fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc", tile16_repack: "misc",
 }
 
 /// A kernel argument as the 8-byte word the launch passes a pointer to (little-endian: 4-byte arguments are the
@@ -189,6 +203,8 @@ pub struct Gpu {
     pub f: Funcs,
     /// The streamed GEMV's instantiations (gemv.cu `gemv_tma_q{bits}_r{R}_m{mode}_n{NV}`), see [`Gpu::gemv_plan`].
     gemv: Vec<CudaFunction>,
+    /// The tensor-core GEMV's instantiations (gemv.cu `gemv_mma_q4_m{mode}_n{NV}`), index (NV == 4) * 2 + mode.
+    gemv_mma: Vec<CudaFunction>,
     pub sms: u32,
     /// Bytes copied to the device by [`Gpu::upload_parts`] so far.
     pub uploaded: std::sync::atomic::AtomicUsize,
@@ -212,8 +228,15 @@ const TMA_SMEM_MAX: usize = 200 * 1024;
 /// Rows of x one moe_down block owns at most (DN_RB in moe.cu), and the largest k it takes (DN_MAXK + 1).
 const MOE_DOWN_RB: usize = 16;
 const MOE_DOWN_MAXK: usize = 17;
+/// Length of the router / MoE sync buffer (`DeviceState::counter`): [0] the router's block counter, [32] its ready
+/// flag for moe_gate_up (MOE_FLAG in common.cuh).
+pub const MOE_COUNTER_LEN: usize = 64;
 /// Stages the streamed GEMV's ring holds at most (GT_MAXS in gemv.cu).
 const TMA_MAX_STAGES: usize = 6;
+/// Threads of the tensor-core GEMV (MM_WARPS in gemv.cu): one 8-column unit of x each, so cols <= 4096.
+const MMA_THREADS: u32 = 512;
+/// Stages the tensor-core GEMV's ring holds at most (MM_MAXS in gemv.cu).
+const MMA_MAX_STAGES: usize = 10;
 /// Bytes a quantised matrix's scale and bias buffers carry past their end: the streamed GEMV copies them in
 /// 16-byte units.
 pub const SB_PAD: usize = 8;
@@ -236,6 +259,29 @@ fn group_shift(gs: usize, bits: u32) -> Result<i32> {
     let cpv = 128 / bits as usize;
     ensure!(gs % cpv == 0 && (gs / cpv).is_power_of_two(), "group size {gs} is not a power-of-two multiple of {cpv}");
     Ok((gs / cpv).trailing_zeros() as i32)
+}
+
+/// Whether a matrix can take the tensor-core GEMV (gemv.cu `gemv_mma_*`, after [`Gpu::tile16`]): 4-bit, cols a
+/// multiple of 64 and at most 4096, group size 64·2^k.
+pub fn tile16_eligible(bits: u32, cols: usize, gs: usize) -> bool {
+    bits == 4 && cols % 64 == 0 && cols <= 4096 && gs >= 64 && gs.is_power_of_two() && cols % gs == 0
+}
+
+/// Whether [`Gpu::gemv`] takes the tensor-core kernel for `m` (a [`Gpu::tile16`] matrix). There x is rounded to f16
+/// (each 64-column block scaled by its own power of two), so results carry ~2^-11 relative rounding of the inputs;
+/// elsewhere x stays f32.
+pub fn gemv_tensor_core(m: &QMat) -> bool {
+    m.tiled
+}
+
+/// Relative error (max |diff| / max |ref|) a GEMV of `m` is held to against the f32 CPU reference in the tests:
+/// f16 inputs on the tensor-core path, f32 elsewhere.
+pub fn gemv_tolerance(m: &QMat) -> f32 {
+    if gemv_tensor_core(m) {
+        2e-3
+    } else {
+        1e-4
+    }
 }
 
 /// The null device pointer for optional kernel arguments.
@@ -276,11 +322,31 @@ impl Gpu {
                 }
             }
         }
-        for func in gemv.iter().chain([&f.moe_down, &f.router_topk_q8]) {
+        let mut gemv_mma = Vec::new();
+        for nv in [2, 4] {
+            for mode in 0..2 {
+                let name = format!("gemv_mma_q4_m{mode}_n{nv}");
+                gemv_mma.push(gm.load_function(&name).with_context(|| format!("kernel {name} in gemv.cu"))?);
+            }
+        }
+        for func in gemv.iter().chain(&gemv_mma).chain([&f.moe_down, &f.router_topk_q8, &f.moe_gate_up]) {
             func.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 TMA_SMEM_MAX as i32,
             )?;
+        }
+        // Every kernel prefers the largest shared-memory carveout: an SM's L1/shared split is one setting for all the
+        // blocks on it, so a kernel that asks for little shared memory would otherwise leave its SMs in a split where
+        // the next kernel's streamed-GEMV or moe_down blocks (up to ~200 KB) do not fit until it has drained, and
+        // their bulk copies could not start early. (`TERN_CARVEOUT=<percent>` overrides, for A/B measurements.)
+        let carveout = std::env::var("TERN_CARVEOUT").ok().and_then(|v| v.parse::<i32>().ok()).unwrap_or(100);
+        if carveout >= 0 {
+            for func in gemv.iter().chain(&gemv_mma).chain(f.all()) {
+                func.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    carveout.min(100),
+                )?;
+            }
         }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
@@ -289,6 +355,7 @@ impl Gpu {
             stream,
             f,
             gemv,
+            gemv_mma,
             sms,
             uploaded: Default::default(),
             staging: Default::default(),
@@ -417,19 +484,27 @@ impl Gpu {
         ensure!(x.len() >= m.cols && y.len() >= y_off + m.rows, "gemv: x {} / y {} too short", x.len(), y.len());
         ensure!(gain.is_none_or(|g| g.len() >= m.cols), "gemv: gain shorter than cols");
         let (func, grid, smem, nstages) = self.gemv_plan(m, gain.is_some(), false)?;
-        let (rows, cols, gshift, acc) = (m.rows as i32, m.cols as i32, group_shift(m.gs, m.bits)?, accumulate as i32);
+        let (rows, cols, acc) = (m.rows as i32, m.cols as i32, accumulate as i32);
         let yv = y.slice(y_off..);
         let mut l = self.launcher(func);
-        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gshift).arg(x);
+        if m.tiled {
+            let gsh = (m.gs / 64).trailing_zeros() as i32;
+            l.arg(&m.w).arg(&m.s).arg(&rows).arg(&cols).arg(&gsh).arg(x);
+        } else {
+            let (s, b) = m.row_major("gemv")?;
+            l.arg(&m.w).arg(s).arg(b).arg(&rows).arg(&cols).arg(&group_shift(m.gs, m.bits)?).arg(x);
+        }
         match gain {
             Some(g) => l.arg(g),
             None => l.arg(&NULL),
         };
         l.arg(&eps).arg(&yv).arg(&acc).arg(&nstages);
-        // SAFETY: argument list matches gemv_tma_* in gemv.cu; x, y and gain checked above; the bulk copies read
-        // whole rows of w (cols*bits/8 is a multiple of 16) and at most 16 bytes past the scales/biases of the last
-        // row (padding checked by gemv_plan); shared memory = x + chunk sums + ring.
-        unsafe { l.launch(cfg((grid, 1), GEMV_THREADS, smem)) }?;
+        // SAFETY: argument lists match gemv_tma_* / gemv_mma_* in gemv.cu; x, y and gain checked above; the bulk
+        // copies read whole rows of w (cols*bits/8 is a multiple of 16) and at most 16 bytes past the scales/biases
+        // of the last row (padding checked by gemv_plan), or whole 16-row tiles of a tiled matrix (tile16 sized
+        // its buffers in whole tiles); shared memory = staged x + ring, as gemv_plan sized it.
+        let threads = if m.tiled { MMA_THREADS } else { GEMV_THREADS };
+        unsafe { l.launch(cfg((grid, 1), threads, smem)) }?;
         Ok(())
     }
 
@@ -440,11 +515,26 @@ impl Gpu {
         ensure!(m.cols * m.bits as usize % 128 == 0 && m.gs % (128 / m.bits as usize) == 0, "gemv: bad layout");
         ensure!(m.cols <= 4096, "gemv: cols {} over the kernel's prologue (at most 4096)", m.cols);
         let ng = m.cols / m.gs;
+        let sms = self.sms as usize;
+        if m.tiled {
+            ensure!(!router && m.cols <= 4096, "gemv: a tiled matrix goes through the tensor-core GEMV only");
+            // one 16-row tile per stage: codes + (scale, bias) pairs (gemv_mma_body)
+            let nst = m.rows.div_ceil(16);
+            let grid = nst.min(sms);
+            let stage = 8 * m.cols + 64 * ng;
+            let per_block = nst.div_ceil(grid);
+            let budget = if per_block >= 8 { TMA_RING_BUDGET_DEEP } else { TMA_RING_BUDGET };
+            let nstages = (budget / stage).clamp(1, MMA_MAX_STAGES).min(per_block);
+            let smem = (m.cols * 2 + m.cols / 64 * 16).div_ceil(128) * 128 + nstages * stage;
+            ensure!(smem <= TMA_SMEM_MAX, "gemv: {} x {} needs {smem} bytes of shared memory", m.rows, m.cols);
+            let func = &self.gemv_mma[(m.cols > 2048) as usize * 2 + rms as usize];
+            return Ok((func, grid as u32, smem, nstages as i32));
+        }
+        let (s, b) = m.row_major("gemv")?;
         ensure!(
-            m.s.len() >= m.rows * ng + SB_PAD && m.b.len() >= m.rows * ng + SB_PAD,
+            s.len() >= m.rows * ng + SB_PAD && b.len() >= m.rows * ng + SB_PAD,
             "gemv: scale/bias buffers must carry {SB_PAD} values of padding"
         );
-        let sms = self.sms as usize;
         // 4 rows per warp (32-row stages) when that still gives every SM two stages, else 1 row per warp
         let r4 = !router && m.rows.div_ceil(32) >= 2 * sms;
         let sr = if r4 { 32 } else { 8 };
@@ -488,7 +578,9 @@ impl Gpu {
     /// Router GEMV with the top-k fused: `logits = R · RMSNorm(x)*gain` (R 8-bit `[E+1, H]`: router rows then the
     /// shared-expert gate), then, in the launch's last block, softmax + top-k + renormalise into `idx`/`wts`
     /// (slot k = shared expert, weight sigmoid(logits[E])). Same result as [`Gpu::gemv`] + [`Gpu::moe_topk`].
-    /// `counter`: one u32, zero before the first call; the kernel leaves it zero.
+    /// `counter`: [`MOE_COUNTER_LEN`] u32, zero before the first call: [0] counts finished blocks (the kernel leaves
+    /// it zero), [32] (its own 128-byte line, away from the atomics) is the ready flag this kernel sets once idx/wts
+    /// are written ([`Gpu::moe_gate_up`] waits on it, [`Gpu::moe_down`] clears it).
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk(
         &self,
@@ -513,62 +605,72 @@ impl Gpu {
         ensure!(m.cols <= 2048, "router_topk: hidden size {} over the kernel's prologue (at most 2048)", m.cols);
         ensure!(x.len() >= m.cols && gain.len() >= m.cols, "router_topk: x/gain shorter than {}", m.cols);
         ensure!(
-            logits.len() >= m.rows && idx.len() > k && wts.len() > k && !counter.is_empty(),
+            logits.len() >= m.rows && idx.len() > k && wts.len() > k && counter.len() >= MOE_COUNTER_LEN,
             "router_topk: outputs"
         );
         let (func, grid, smem, nstages) = self.gemv_plan(m, true, true)?;
         let (rows, cols, gs, ki) = (m.rows as i32, m.cols as i32, group_shift(m.gs, 8)?, k as i32);
         let mut l = self.launcher(func);
-        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*logits);
+        let (s, b) = m.row_major("router_topk")?;
+        l.arg(&m.w).arg(s).arg(b).arg(&rows).arg(&cols).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*logits);
         l.arg(&nstages).arg(&ki).arg(&*counter).arg(&*idx).arg(&*wts);
-        // SAFETY: matches router_topk_q8 in gemv.cu; buffers checked above (logits E+1, idx/wts k+1 slots); the
-        // counter is only touched by this kernel, which returns it to zero; launches on one stream never overlap;
-        // the bulk copies and shared memory as in `gemv` (gemv_plan checked the layout and padding).
+        // SAFETY: matches router_topk_q8 in gemv.cu; buffers checked above (logits E+1, idx/wts k+1 slots);
+        // counter[0] is only touched by this kernel, which returns it to zero, counter[32] only by it, moe_gate_up
+        // and moe_down; the bulk copies and shared memory as in `gemv` (gemv_plan checked layout and padding).
         unsafe { l.launch(cfg((grid, 1), GEMV_THREADS, smem)) }?;
         Ok(())
     }
 
     /// `act[slot] = silu(G xn) * (U xn)` for the k routed experts `idx[..k]` and the shared one (slot k, expert
-    /// `n_experts`), xn = RMSNorm(x) * gain.
+    /// `n_experts`), xn = RMSNorm(x) * gain. The routed items wait for `counter[32]`, the ready flag that
+    /// [`Gpu::router_topk`] sets (the kernel traps after 2 s if no router ran); x must be complete when the kernel
+    /// starts (two launches back in the step: it is read before the dependency wait).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
         gu: &Experts,
         n_experts: usize,
-        idx: &CudaSlice<i32>,
         k: usize,
         (i, is): (usize, usize),
         x: &CudaSlice<f32>,
         gain: &CudaSlice<f32>,
         eps: f32,
         act: &mut CudaSlice<f32>,
+        counter: &CudaSlice<u32>,
     ) -> Result<()> {
         let h = gain.len();
         let imax = i.max(is);
-        ensure!(x.len() >= h && idx.len() > k && act.len() >= (k + 1) * imax, "moe_gate_up: shapes");
+        ensure!(x.len() >= h && act.len() >= (k + 1) * imax && counter.len() >= MOE_COUNTER_LEN, "moe_gate_up: shapes");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up: expert buffer too short");
         ensure!(
-            h % 32 == 0 && h <= 2048 && gu.gs % 32 == 0 && i.is_power_of_two(),
+            (1..=8).contains(&k) && n_experts <= 256,
+            "moe_gate_up: the router's ready flag carries at most 8 expert ids below 256 (k {k}, {n_experts} experts)"
+        );
+        ensure!(
+            h % 32 == 0 && h <= 2048 && gu.gs % 32 == 0 && i.is_power_of_two() && is.is_power_of_two() && i >= 2,
             "moe_gate_up: needs hidden size % 32 == 0 and <= 2048 (got {h}), group size % 32 == 0 (got {}), \
-             a power-of-two expert size (got {i})",
+             power-of-two expert sizes (got {i}, {is})",
             gu.gs
         );
-        let items = k * i + is;
-        let smem = (padx_len(h) + h / 32) * 4;
-        let c = cfg((self.grid_resident(&self.f.moe_gate_up, items.div_ceil(2), smem), 1), GEMV_THREADS, smem);
+        // x staged (padded) + chunk sums, then 4 rows of H/2 bytes per warp for the bulk copies
+        let smem = ((padx_len(h) + h / 32) * 4).div_ceil(128) * 128 + 8 * 4 * (h / 2);
+        let grid = self.grid_resident(&self.f.moe_gate_up, (k * i + is).div_ceil(2), smem).min(2 * self.sms);
         let (words, groups) = (gu.words as i64, gu.groups as i64);
         let (ki, ii, isi, hi, gs) = (k as i32, i as i32, is as i32, h as i32, group_shift(gu.gs, 4)?);
         let ei = n_experts as i32;
         let mut l = self.launcher(&self.f.moe_gate_up);
-        l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(idx).arg(&ki).arg(&ei).arg(&ii).arg(&isi);
-        l.arg(&hi).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*act);
-        // SAFETY: matches moe_gate_up in moe.cu; idx entries are < n_experts+1 (written by moe_topk), the expert
-        // buffer holds n_experts routed experts plus the shared one (checked above).
-        unsafe { l.launch(c) }?;
+        l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&ki).arg(&ei).arg(&ii).arg(&isi);
+        l.arg(&hi).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*act).arg(counter);
+        // SAFETY: matches moe_gate_up in moe.cu; the ids in the router's flag are < n_experts (top-k over the router
+        // rows), the expert buffer holds n_experts routed experts plus the shared one (checked above), whole rows
+        // are bulk-copied (H/2 bytes, a multiple of 16, into the 4 rows per warp of shared memory sized above);
+        // counter holds MOE_COUNTER_LEN u32.
+        unsafe { l.launch(cfg((grid, 1), GEMV_THREADS, smem)) }?;
         Ok(())
     }
 
-    /// `x += Σ_slot wts[slot] · D_{idx[slot]} act[slot]` over the k routed experts and the shared one (slot k).
+    /// `x += Σ_slot wts[slot] · D_{idx[slot]} act[slot]` over the k routed experts and the shared one (slot k);
+    /// clears the router's ready flag `counter[32]`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
@@ -580,10 +682,14 @@ impl Gpu {
         (i, is): (usize, usize),
         act: &CudaSlice<f32>,
         x: &mut CudaSlice<f32>,
+        counter: &mut CudaSlice<u32>,
     ) -> Result<()> {
         let h = x.len();
         let imax = i.max(is);
-        ensure!(idx.len() > k && wts.len() > k && act.len() >= (k + 1) * imax, "moe_down: shapes");
+        ensure!(
+            idx.len() > k && wts.len() > k && act.len() >= (k + 1) * imax && counter.len() >= MOE_COUNTER_LEN,
+            "moe_down: shapes"
+        );
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down: expert buffer too short");
         ensure!(i % 32 == 0 && is % 32 == 0 && k < MOE_DOWN_MAXK, "moe_down: layout");
         ensure!(
@@ -607,7 +713,7 @@ impl Gpu {
         let (ki, ii, isi, hi) = (k as i32, i as i32, is as i32, h as i32);
         let mut l = self.launcher(&self.f.moe_down);
         l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(idx).arg(wts).arg(&ki).arg(&ii);
-        l.arg(&isi).arg(&hi).arg(&gs).arg(act).arg(&*x);
+        l.arg(&isi).arg(&hi).arg(&gs).arg(act).arg(&*x).arg(&*counter);
         // SAFETY: matches moe_down in moe.cu; shapes checked above; idx entries are < n_experts+1 (router), so the
         // bulk copies stay inside the expert buffer (whole rows: n/2 bytes, a multiple of 16); each block writes its
         // own rows of x; shared memory sized as the kernel lays it out.
@@ -733,11 +839,37 @@ impl Gpu {
         ensure!(m.bits == 4 && m.cols % 8 == 0 && x.len() >= m.cols && !tok.is_empty(), "embed: shapes");
         let (cols, gs) = (m.cols as i32, m.gs as i32);
         let mut l = self.launcher(&self.f.embed_q4);
-        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&cols).arg(&gs).arg(tok).arg(&*x);
+        let (s, b) = m.row_major("embed")?;
+        l.arg(&m.w).arg(s).arg(b).arg(&cols).arg(&gs).arg(tok).arg(&*x);
         // SAFETY: matches embed_q4 in misc.cu; token ids are checked against the vocabulary on the host or come
         // from argmax over the vocabulary.
         unsafe { l.launch(cfg((m.cols.div_ceil(256) as u32, 1), 256, 0)) }?;
         Ok(())
+    }
+
+    /// `m` in the tensor-core GEMV's layout (misc.cu `tile16_repack`: 16-row tiles, each lane's MMA fragment words
+    /// contiguous, (scale, bias) pairs per tile), when [`tile16_eligible`]; otherwise `m` unchanged. Only for
+    /// matrices that [`Gpu::gemv`] alone reads (not the embedding, not the router).
+    /// Applied only where each SM gets at most one tile (rows <= 16 * SMs: out_proj, o_proj): there the
+    /// tensor-core kernel measured faster (2.8 vs 3.6 µs per launch in the step); with several tiles per block
+    /// (in_proj, attention qkv, lm_head) it measured slower than the streamed GEMV (~0.7 µs of compute per tile,
+    /// not yet understood; docs/cuda-notes.md step 13).
+    pub fn tile16(&self, m: QMat) -> Result<QMat> {
+        if m.tiled || !tile16_eligible(m.bits, m.cols, m.gs) || m.rows.div_ceil(16) > self.sms as usize {
+            return Ok(m);
+        }
+        let (s, b) = m.row_major("tile16")?;
+        let (tiles, ng) = (m.rows.div_ceil(16), m.cols / m.gs);
+        ensure!(m.w.len() >= m.rows * m.cols / 8 && s.len() >= m.rows * ng && b.len() >= m.rows * ng, "tile16: shapes");
+        let tw = self.zeros::<u32>(tiles * 16 * m.cols / 8)?;
+        let tsb = self.zeros::<u16>(tiles * 16 * ng * 2)?;
+        let (rows, cols, gs) = (m.rows as i32, m.cols as i32, m.gs as i32);
+        let mut l = self.launcher(&self.f.tile16_repack);
+        l.arg(&m.w).arg(s).arg(b).arg(&rows).arg(&cols).arg(&gs).arg(&tw).arg(&tsb);
+        // SAFETY: matches tile16_repack in misc.cu; sources hold rows x cols codes and rows x cols/gs scales/biases
+        // (checked above), the outputs whole 16-row tiles (allocated above); grid-stride, any grid size works.
+        unsafe { l.launch(cfg((4 * self.sms, 1), 256, 0)) }?;
+        Ok(QMat { rows: m.rows, cols: m.cols, bits: m.bits, gs: m.gs, w: tw, s: tsb, b: None, tiled: true })
     }
 
     /// Number of partial blocks used by [`Gpu::argmax`].

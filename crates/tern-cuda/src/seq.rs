@@ -35,7 +35,8 @@ pub struct DeviceState {
     pub logits: CudaSlice<f32>,
     pub apv: CudaSlice<f32>,
     pub api: CudaSlice<i32>,
-    /// Completion counter of the fused router + top-k kernel (zero between launches).
+    /// [0]: completion counter of the fused router + top-k kernel (zero between launches); [32]: the router's
+    /// ready flag for moe_gate_up (cleared by moe_down).
     pub counter: CudaSlice<u32>,
     pub layers: Vec<LState>,
     /// Test hook: when set (before the first step, which captures the graph), every step copies each layer's
@@ -85,9 +86,10 @@ impl DeviceState {
                 }
             }
         }
-        // flash-decoding splits: ~4 blocks per SM at long context (2 kv heads); short contexts use fewer
-        // (the kernel puts at least 16 keys in a split and leaves the rest empty)
-        let nsplit = (max_ctx / 16).clamp(1, 256);
+        // flash-decoding splits: at most 128 per kv head, so that the long-context grid (2 kv heads x 128 splits)
+        // is one wave of attn_decode_kv (2 blocks per SM at 214 registers; 256 splits took two waves and measured
+        // 497 vs 532 tok/s at ctx 32,768); short contexts use fewer (at least 16 keys per split, the rest empty)
+        let nsplit = (max_ctx / 16).clamp(1, 128);
         let k = c.num_experts_per_tok;
         let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
         let nb = g.argmax_blocks();
@@ -109,7 +111,7 @@ impl DeviceState {
             logits: g.zeros(c.vocab_size)?,
             apv: g.zeros(nb)?,
             api: g.zeros(nb)?,
-            counter: g.zeros(1)?,
+            counter: g.zeros(crate::gpu::MOE_COUNTER_LEN)?,
             layers,
             route_log: None,
             graph: None,
@@ -147,7 +149,7 @@ impl DeviceState {
             logits: cl(&self.logits)?,
             apv: cl(&self.apv)?,
             api: g.stream.clone_dtod(&self.api)?,
-            counter: g.zeros(1)?,
+            counter: g.zeros(crate::gpu::MOE_COUNTER_LEN)?,
             layers,
             route_log: None,
             graph: None,
@@ -237,9 +239,11 @@ impl DeviceState {
                 g.stream.memcpy_dtod(&st.idx.slice(..k + 1), &mut log.slice_mut(li * (k + 1)..(li + 1) * (k + 1)))?;
             }
             timed("moe_gate_up", &mut || {
-                g.moe_gate_up(&l.gate_up, e, &st.idx, k, sizes, &st.x, &l.post_norm, eps, &mut st.act)
+                g.moe_gate_up(&l.gate_up, e, k, sizes, &st.x, &l.post_norm, eps, &mut st.act, &st.counter)
             })?;
-            timed("moe_down", &mut || g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x))?;
+            timed("moe_down", &mut || {
+                g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter)
+            })?;
         }
         timed("lm_head", &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), eps, &mut st.logits, 0, false))?;
         timed("argmax", &mut || g.argmax(&st.logits, &mut st.apv, &mut st.api, &mut st.tok, &mut st.pos))?;

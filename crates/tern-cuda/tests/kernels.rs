@@ -57,6 +57,11 @@ fn to_dev(g: &Gpu, m: &QuantMatrix) -> QMat {
     tern_cuda::model::stack(g, &[m], "test matrix").unwrap()
 }
 
+/// A matrix as the model uploads a GEMV's weights: the tensor-core tile layout where it applies.
+fn to_gemv(g: &Gpu, m: &QuantMatrix) -> QMat {
+    g.tile16(to_dev(g, m)).unwrap()
+}
+
 fn set_pos(g: &Gpu, pos: &mut CudaSlice<i32>, p: usize) {
     g.stream.memcpy_htod(&[p as i32], pos).unwrap();
 }
@@ -157,7 +162,9 @@ fn gdn_core_matches_cpu() {
             "gdn core {name} (Hk {hk} Hv {hv} dk {dk} dv {dv}), 12 steps: rel err core+gated norm {e_core:.2e}, \
              +out_proj {e_out:.2e}, f32 state {e_state:.2e}, conv inputs {e_conv:.2e}"
         );
-        assert!(e_core < 1e-4 && e_out < 1e-4 && e_state < 1e-4, "gdn {name}: {e_core} {e_out} {e_state}");
+        // out_proj goes through the model's GEMV (f16 inputs on the tensor-core path: gemv_tolerance)
+        let tol_out = tern_cuda::gpu::gemv_tolerance(out);
+        assert!(e_core < 1e-4 && e_out < tol_out && e_state < 1e-4, "gdn {name}: {e_core} {e_out} {e_state}");
         assert!(e_conv == 0.0, "gdn {name}: conv ring differs from the CPU's inputs ({e_conv})");
     }
 }
@@ -285,7 +292,7 @@ fn moe_block_matches_cpu() {
         let mut idx = g.zeros::<i32>(k + 1).unwrap();
         let mut wts = g.zeros::<f32>(k + 1).unwrap();
         let mut act = g.zeros::<f32>((k + 1) * imax).unwrap();
-        let mut counter = g.zeros::<u32>(1).unwrap();
+        let mut counter = g.zeros::<u32>(tern_cuda::gpu::MOE_COUNTER_LEN).unwrap();
         let mut rng = Rng(21);
         let (mut e_router, mut e_out, mut flips) = (0.0f32, 0.0f32, 0);
         let trials = 16;
@@ -295,8 +302,8 @@ fn moe_block_matches_cpu() {
             let eps = c.rms_norm_eps;
             // the step's path: router GEMV + softmax/top-k fused in one launch
             g.router_topk(&dl.router, &dx, &dl.post_norm, eps, k, &mut rl, &mut counter, &mut idx, &mut wts).unwrap();
-            g.moe_gate_up(&dl.gate_up, e, &idx, k, sizes, &dx, &dl.post_norm, eps, &mut act).unwrap();
-            g.moe_down(&dl.down, e, &idx, &wts, k, sizes, &act, &mut dx).unwrap();
+            g.moe_gate_up(&dl.gate_up, e, k, sizes, &dx, &dl.post_norm, eps, &mut act, &counter).unwrap();
+            g.moe_down(&dl.down, e, &idx, &wts, k, sizes, &act, &mut dx, &mut counter).unwrap();
             let gi: Vec<usize> = g.download(&idx).unwrap()[..k].iter().map(|&i| i as usize).collect();
             let mut u = x.clone();
             rms_norm(&mut u, &l.post_norm, eps);
@@ -356,7 +363,7 @@ fn rmsnorm_fusions_match_cpu() {
     {
         let gs = if cols % 64 == 0 { 64 } else { 32 };
         let q = QuantMatrix::quantize_grouped(&rng.vec(rows * cols, 1.0), rows, cols, bits, gs).unwrap();
-        let dm = to_dev(&g, &q);
+        let dm = to_gemv(&g, &q);
         let x = rng.vec(cols, 3.0);
         let y0 = rng.vec(rows, 1.0);
         let mut xn = x.clone();
@@ -374,7 +381,8 @@ fn rmsnorm_fusions_match_cpu() {
                 g.download(&dy).unwrap().iter().zip(&y0).map(|(a, b)| if acc { a - b } else { *a }).collect();
             let e = rel(&got, &want);
             report.push(format!("{rows}x{cols} q{bits} {} acc={acc}: {e:.2e}", if norm { "rms" } else { "plain" }));
-            assert!(e < 1e-4, "norm fusion {rows}x{cols} norm {norm} acc {acc}: {e}");
+            let tol = tern_cuda::gpu::gemv_tolerance(&dm);
+            assert!(e < tol, "norm fusion {rows}x{cols} norm {norm} acc {acc}: {e} (tolerance {tol})");
         }
     }
     println!("rmsnorm fusions: {}", report.join("; "));

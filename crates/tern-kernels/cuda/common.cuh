@@ -88,11 +88,49 @@ __device__ __forceinline__ void pdl_wait() {
     if (threadIdx.x == 0 && *(volatile int*)&g_trace_on) trace_wait_time() = gtime();
 }
 
-// Prefetch `bytes` (a multiple of 128) starting at p into L2, spread over a warp's lanes.
-__device__ __forceinline__ void prefetch_l2(const void* p, long bytes, int lane) {
-    for (long o = (long)lane * 128; o < bytes; o += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(p) + o));
+// The two halves of pdl_wait for kernels that let their dependents launch before they wait themselves.
+__device__ __forceinline__ void pdl_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
+__device__ __forceinline__ void pdl_wait_only() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// Block-wide wait for a nonzero 64-bit flag another kernel sets (st.release after its data) and returns it: thread
+// 0 polls with ld.acquire at gpu scope, the block barrier passes the ordering (and the value) on. A flag that is
+// never set traps after 2 s instead of hanging the device. The trace records the moment as the kernel's wait.
+__device__ __forceinline__ unsigned long long wait_flag64(const unsigned long long* f) {
+    __shared__ unsigned long long seen;
+    if (threadIdx.x == 0) {
+        const unsigned long long t0 = gtime();
+        unsigned long long v;
+        for (;;) {
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(f) : "memory");
+            if (v) break;
+            if (gtime() - t0 > 2000000000ull) __trap();
+        }
+        seen = v;
+        if (*(volatile int*)&g_trace_on) trace_wait_time() = gtime();
+    }
+    __syncthreads();
+    return seen;
+}
+
+// atomicAdd with acquire-release semantics at gpu scope (replaces __threadfence + atomicAdd + __threadfence:
+// the full fences are sequentially consistent and cost more).
+__device__ __forceinline__ unsigned int atom_add_acq_rel(unsigned int* p, unsigned int v) {
+    unsigned int old;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ void set_flag64(unsigned long long* f, unsigned long long v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(f), "l"(v) : "memory");
+}
+
+// Index (in u32) of the router's ready flag in the MoE sync buffer: a 64-bit word on its own 128-byte line, away
+// from the router's block counter at index 0, which the last blocks hit with atomics while moe_gate_up's blocks
+// poll the flag. It carries the k <= 8 routed expert ids, one byte each (byte 7 = 0xff when k < 8, so the word is
+// never zero once set).
+#define MOE_FLAG 32
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -271,7 +309,7 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainR
 #pragma unroll
     for (int j = 0; j < NV; j++) {
         const int c4 = tid + 256 * j;
-        v[j] = c4 < n4 ? reinterpret_cast<const float4*>(x)[c4] : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[j] = c4 < n4 ? __ldcg(reinterpret_cast<const float4*>(x) + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     if (MODE == XM_RMS) {
         float ss = 0.f;
@@ -300,10 +338,11 @@ __device__ __forceinline__ void stage_x(const float* __restrict__ x, const GainR
 }
 
 // Router tail, one warp: softmax over E logits, top-k (ties -> lower index), renormalise; slot k = shared expert
-// (index E) with weight sigmoid(logits[E]). Logits are read through L2 (__ldcg): they may have been written by
+// (index E) with weight sigmoid(logits[E]). Returns (in every lane) the first min(k, 8) ids packed one byte each,
+// byte 7 = 0xff when k < 8 (the MOE_FLAG word; needs E <= 256). Logits are read through L2 (__ldcg): they may have been written by
 // other blocks of the same launch (fused router GEMV tail).
-__device__ __forceinline__ void topk_warp(const float* logits, int E, int k, int* __restrict__ idx,
-                                          float* __restrict__ wts) {
+__device__ __forceinline__ unsigned long long topk_warp(const float* logits, int E, int k, int* __restrict__ idx,
+                                                        float* __restrict__ wts) {
     // one warp; lane holds experts lane + 32*j (E <= 256); k rounds of warp argmax, no block barriers
     const int lane = threadIdx.x & 31;
     float p[8];
@@ -345,6 +384,10 @@ __device__ __forceinline__ void topk_warp(const float* logits, int E, int k, int
         idx[k] = E;
         wts[k] = sigmoid_f(__ldcg(logits + E));
     }
+    const unsigned long long mine_b = lane < k && lane < 8 ? (unsigned long long)(mine_i & 0xff) << (8 * lane) : 0ull;
+    const unsigned int lo = __reduce_or_sync(FULL_MASK, (unsigned int)mine_b);
+    const unsigned int hi = __reduce_or_sync(FULL_MASK, (unsigned int)(mine_b >> 32));
+    return ((unsigned long long)hi << 32 | lo) | (k < 8 ? 0xffull << 56 : 0ull);
 }
 
 

@@ -7,7 +7,8 @@
 //                 with weight sigmoid(logits[E]). One warp. Bytes ~ 4E. FLOPs ~ E*(k+3).
 // moe_gate_up   : act[slot, j] = silu(G_e[j] . xn) * (U_e[j] . xn), xn = RMSNorm(x)*gain computed in the
 //                 prologue (smem, padded, with 32-column chunk sums); a warp owns 2 items = 4 rows; the shared
-//                 expert's rows are prefetched into L2 before the dependency wait.
+//                 expert's items run before the router's top-k is known, the routed ones once the router's
+//                 ready flag (counter[MOE_FLAG]) is set, each warp's 4 rows bulk-copied into shared memory.
 //                 Bytes: (k*2I + 2Is)*H/2 (+scales). FLOPs 2*(k*2I+2Is)*H.
 // moe_down      : x[r] += sum_slot wt[slot] * (D_e[r] . act[slot]) (residual add fused); each block bulk-copies
 //                 its rows of the k+1 experts into shared memory before the dependency wait (idx is two launches
@@ -21,61 +22,107 @@ extern "C" __global__ void moe_topk(const float* __restrict__ logits, int E, int
     topk_warp(logits, E, k, idx, wts);
 }
 
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
+// Two items (gate and up rows of each: 4 rows) of expert e, rows j0, j0+1 of n: gate rows j0.., up rows n+j0..,
+// straight from global memory (streamed loads); warp-reduced dots in tot.
+__device__ __forceinline__ void gate_up_rows(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                             const __nv_bfloat16* __restrict__ b, long e, long words, long groups,
+                                             int n, int j0, int nvec, int ngroups, int gshift, const float* xs,
+                                             const float* cs, int lane, float (&tot)[4]) {
+    // tot[r], r = 2q + (up ? 1 : 0): row (up ? n : 0) + j0 + q
+    for (int u = lane; u < nvec; u += 32) {
+        const int g = u >> gshift;
+        uint4 wv[4];
+        float sc[4], bs[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int row = (r & 1 ? n : 0) + j0 + (r >> 1);
+            wv[r] = ldg_stream(reinterpret_cast<const uint4*>(w + e * words) + (long)row * nvec + u);
+            sc[r] = bf(s[e * groups + (long)row * ngroups + g]);
+            bs[r] = bf(b[e * groups + (long)row * ngroups + g]);
+        }
+        chunk_dot<4, 4>(wv, xs + padx(u * 32), sc, bs, cs[u], tot);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) tot[r] = warp_sum(tot[r]);
+}
+
+// The shared expert's items (slot k) need only xn, so they run before the router's top-k is known; the routed
+// items wait for the router's ready flag counter[MOE_FLAG..+1] (a 64-bit word carrying the k expert ids, set by
+// router_topk_q8's last block, cleared by moe_down), then each warp bulk-copies its 4 rows into shared memory
+// (one round trip for all of them, where register loads took two) and computes from there. x is the residual
+// written two launches back (complete when this kernel starts under programmatic launch), so the norm and the
+// staging also run while the router is still working. At most 96 registers: two blocks per SM leave room for a
+// moe_down block, which then streams its expert rows in while this kernel runs.
+extern "C" __global__ void __maxnreg__(96) moe_gate_up(
     const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s, const __nv_bfloat16* __restrict__ b,
-    long words, long groups, const int* __restrict__ idx, int k, int E, int I, int Is, int H, int gshift,
-    const float* __restrict__ x, const float* __restrict__ gain, float eps, float* __restrict__ act) {
+    long words, long groups, int k, int E, int I, int Is, int H, int gshift, const float* __restrict__ x,
+    const float* __restrict__ gain, float eps, float* __restrict__ act, const unsigned int* __restrict__ counter) {
     KTRACE(41);
-    extern __shared__ float xs[];
+    extern __shared__ __align__(128) unsigned char smem[];
     __shared__ float red[32];
+    __shared__ __align__(8) uint64_t bar[8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int Imax = I > Is ? I : Is;
-    const int items = k * I + Is;
-    const int nvec = H / 32, ngroups = H >> (gshift + 5), lI = 31 - __clz(I);
-    {
-        // before the dependency wait (idx comes from the previous kernel): only the shared expert's rows (expert E,
-        // items k*I..) have a known address; pull this warp's share of them (gate and up rows) into L2
-        for (int t = blockIdx.x * nw + warp; 2 * t < items; t += gridDim.x * nw) {
-            const int it = 2 * t;
-            if (it < k * I) continue;
-            const long jj = it - k * I, nr = min(2, items - it);
-            const uint32_t* we = w + (long)E * words;
-            prefetch_l2(reinterpret_cast<const uint4*>(we) + jj * nvec, nr * nvec * 16, lane);
-            prefetch_l2(reinterpret_cast<const uint4*>(we) + (Is + jj) * nvec, nr * nvec * 16, lane);
-        }
+    const int nvec = H / 32, ngroups = H >> (gshift + 5), lI = 31 - __clz(I), rowb = H / 2;
+    const int gw = blockIdx.x * nw + warp, nwarps = gridDim.x * nw;
+    float* xs = reinterpret_cast<float*>(smem);
+    float* cs = xs + padx_len(H);
+    unsigned char* rows = smem + (((padx_len(H) + nvec) * 4 + 127) & ~127) + warp * 4 * rowb;
+    if (lane == 0) {
+        mbar_init(&bar[warp], 1);
+        mbar_fence_init();
     }
     const GainRegs<2> gr = load_gain<2, XM_RMS>(gain, H);
-    pdl_wait();
-    float* cs = xs + padx_len(H);
-    stage_x<2, XM_RMS>(x, gr, eps, H, 32, xs, cs, red);
-    // a warp owns 2 items (gate and up rows of each: 4 rows in flight)
-    for (int t = blockIdx.x * nw + warp; 2 * t < items; t += gridDim.x * nw) {
-        const uint4* wr[4];
-        const __nv_bfloat16 *sr[4], *br[4];
-        int slot[2], jj[2];
-#pragma unroll
-        for (int q = 0; q < 2; q++) {
-            const int it = min(2 * t + q, items - 1);
-            slot[q] = it < k * I ? it >> lI : k;  // I a power of two (checked on the host)
-            jj[q] = it < k * I ? it & (I - 1) : it - k * I;
-            const int n = slot[q] < k ? I : Is;
-            const long e = idx[slot[q]];
-            const long rg = jj[q], ru = n + jj[q];
-            wr[2 * q] = reinterpret_cast<const uint4*>(w + e * words) + rg * nvec;
-            wr[2 * q + 1] = reinterpret_cast<const uint4*>(w + e * words) + ru * nvec;
-            sr[2 * q] = s + e * groups + rg * ngroups;
-            sr[2 * q + 1] = s + e * groups + ru * ngroups;
-            br[2 * q] = b + e * groups + rg * ngroups;
-            br[2 * q + 1] = b + e * groups + ru * ngroups;
-        }
+    stage_x<2, XM_RMS>(x, gr, eps, H, 32, xs, cs, red);  // ends with a block barrier (also for the mbarriers)
+    for (int t = gw; 2 * t < Is; t += nwarps) {
         float tot[4] = {0.f, 0.f, 0.f, 0.f};
-        warp_rows_dot<4, 4, 1>(wr, sr, br, nvec, gshift, xs, cs, lane, tot);
+        gate_up_rows(w, s, b, E, words, groups, Is, 2 * t, nvec, ngroups, gshift, xs, cs, lane, tot);
+        if (lane < 2) act[k * Imax + 2 * t + lane] = silu_f(tot[2 * lane]) * tot[2 * lane + 1];
+    }
+    const unsigned long long ids = wait_flag64(reinterpret_cast<const unsigned long long*>(counter + MOE_FLAG));
+    pdl_launch_dependents();
+    uint32_t phase = 0;
+    for (int t = gw; 2 * t < k * I; t += nwarps) {
+        const int slot = (2 * t) >> lI, j0 = (2 * t) & (I - 1);  // I a power of two (checked on the host)
+        const long e = (ids >> (8 * slot)) & 0xff;
+        if (lane == 0) {
+            const unsigned char* we = reinterpret_cast<const unsigned char*>(w + e * words);
+            fence_proxy_async();  // this warp's reads of the previous rows come before the copies overwrite them
+            mbar_expect_tx(&bar[warp], 4 * rowb);
+            bulk_g2s(rows, we + (long)j0 * rowb, 2 * rowb, &bar[warp]);
+            bulk_g2s(rows + 2 * rowb, we + (long)(I + j0) * rowb, 2 * rowb, &bar[warp]);
+        }
+        // scales and biases of this lane's chunks (u = lane, lane + 32; H <= 2048) load while the rows are in flight
+        float sc[2][4], bs[2][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            const int g = min(lane + 32 * a, nvec - 1) >> gshift;
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const long gi = e * groups + (long)((r & 1 ? I : 0) + j0 + (r >> 1)) * ngroups + g;
+                sc[a][r] = bf(s[gi]);
+                bs[a][r] = bf(b[gi]);
+            }
+        }
+        mbar_wait(&bar[warp], phase);
+        phase ^= 1u;
+        float tot[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            const int u = lane + 32 * a;
+            if (u < nvec) {
+                uint4 wv[4];
+#pragma unroll
+                for (int r = 0; r < 4; r++) wv[r] = reinterpret_cast<const uint4*>(rows)[((r & 1) * 2 + (r >> 1)) * nvec + u];
+                chunk_dot<4, 4>(wv, xs + padx(u * 32), sc[a], bs[a], cs[u], tot);
+            }
+        }
 #pragma unroll
         for (int r = 0; r < 4; r++) tot[r] = warp_sum(tot[r]);
-#pragma unroll
-        for (int q = 0; q < 2; q++)
-            if (lane == q && 2 * t + q < items) act[slot[q] * Imax + jj[q]] = silu_f(tot[2 * q]) * tot[2 * q + 1];
+        if (lane < 2) act[slot * Imax + j0 + lane] = silu_f(tot[2 * lane]) * tot[2 * lane + 1];
+        __syncwarp();
     }
+    pdl_wait_only();  // formally after the router (finished by now): keeps the launch chain's ordering
 }
 
 // Down projection, streamed: block b owns output rows [r0, r1) (an even split of H over the grid, <= DN_RB rows).
@@ -90,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
 extern "C" __global__ void __launch_bounds__(256) moe_down(
     const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s, const __nv_bfloat16* __restrict__ b,
     long words, long groups, const int* __restrict__ idx, const float* __restrict__ wts, int k, int I, int Is, int H,
-    int gshift, const float* __restrict__ act, float* __restrict__ x) {
+    int gshift, const float* __restrict__ act, float* __restrict__ x, unsigned int* __restrict__ counter) {
     KTRACE(42);
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) uint64_t full;
@@ -110,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     float* cs = as + (k + 1) * stride;
     float* scs = cs + (k + 1) * (Imax / 32);
     float* bss = scs + (k + 1) * DN_RB * ngM;
-    if (tid <= k) sidx[tid] = idx[tid];
+    if (tid <= k) sidx[tid] = __ldcg(idx + tid);
     __syncthreads();
     if (tid == 0) {
         mbar_init(&full, 1);
@@ -154,6 +201,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
         }
     }
     pdl_wait();
+    if (tid == 0) *reinterpret_cast<unsigned long long*>(counter + MOE_FLAG) = 0ull;  // its only reader (moe_gate_up) has finished; the next router sets it
     if (tid <= k) swt[tid] = wts[tid];
     // act -> smem (x 2^90), chunk sums of 32 columns (8 float4 = 8 consecutive threads) by shuffles; all loads
     // first (one round trip)
