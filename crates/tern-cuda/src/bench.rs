@@ -222,7 +222,6 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         10 => "gemv_reg",
         11 => "router_topk",
         12 => "gemv_tma",
-        13 => "gemv_mma",
         20 => "gdn_step",
         30 => "attn_prep",
         31 => "attn_decode",
@@ -273,7 +272,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
     let mut layer = 0usize;
     for (code, _) in &launches {
         let f = match code {
-            12 | 13 | 10 => {
+            12 | 10 => {
                 let prev = fam.last().map(|s| s.as_str()).unwrap_or("");
                 match (prev, c.layer_types.get(layer)) {
                     ("gdn_step", _) => "gdn_out_proj",

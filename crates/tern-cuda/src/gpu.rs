@@ -23,9 +23,7 @@ pub struct TraceRec {
     pub nblocks: u32,
 }
 
-/// A quantised matrix on the device (MLX affine, bf16 scales/biases kept as raw u16 bits), row-major as in the
-/// checkpoint, or (`tiled`, see [`Gpu::tile16`]) in the tensor-core GEMV's tile layout: then `w` holds the tiled
-/// codes, `s` the (scale, bias) pairs and `b` is `None`.
+/// A quantised matrix on the device (MLX affine, bf16 scales/biases kept as raw u16 bits).
 pub struct QMat {
     pub rows: usize,
     pub cols: usize,
@@ -33,22 +31,13 @@ pub struct QMat {
     pub gs: usize,
     pub w: CudaSlice<u32>,
     pub s: CudaSlice<u16>,
-    pub b: Option<CudaSlice<u16>>,
-    pub tiled: bool,
+    pub b: CudaSlice<u16>,
 }
 
 impl QMat {
     /// Bytes one full pass reads.
     pub fn bytes(&self) -> usize {
         self.w.len() * 4 + self.rows * (self.cols / self.gs) * 4
-    }
-
-    /// Scales and biases of a row-major matrix.
-    fn row_major(&self, what: &str) -> Result<(&CudaSlice<u16>, &CudaSlice<u16>)> {
-        match (&self.b, self.tiled) {
-            (Some(b), false) => Ok((&self.s, b)),
-            _ => bail!("{what}: needs a row-major matrix, got the tensor-core tile layout"),
-        }
     }
 }
 
@@ -88,7 +77,7 @@ funcs! {
     attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention",
     attn_combine: "attention",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
-    fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc", tile16_repack: "misc",
+    fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
 }
 
 /// A kernel argument as the 8-byte word the launch passes a pointer to (little-endian: 4-byte arguments are the
@@ -203,8 +192,6 @@ pub struct Gpu {
     pub f: Funcs,
     /// The streamed GEMV's instantiations (gemv.cu `gemv_tma_q{bits}_r{R}_m{mode}_n{NV}`), see [`Gpu::gemv_plan`].
     gemv: Vec<CudaFunction>,
-    /// The tensor-core GEMV's instantiations (gemv.cu `gemv_mma_q4_m{mode}_n{NV}`), index (NV == 4) * 2 + mode.
-    gemv_mma: Vec<CudaFunction>,
     pub sms: u32,
     /// Bytes copied to the device by [`Gpu::upload_parts`] so far.
     pub uploaded: std::sync::atomic::AtomicUsize,
@@ -233,10 +220,6 @@ const MOE_DOWN_MAXK: usize = 17;
 pub const MOE_COUNTER_LEN: usize = 64;
 /// Stages the streamed GEMV's ring holds at most (GT_MAXS in gemv.cu).
 const TMA_MAX_STAGES: usize = 6;
-/// Threads of the tensor-core GEMV (MM_WARPS in gemv.cu): one 8-column unit of x each, so cols <= 4096.
-const MMA_THREADS: u32 = 512;
-/// Stages the tensor-core GEMV's ring holds at most (MM_MAXS in gemv.cu).
-const MMA_MAX_STAGES: usize = 10;
 /// Bytes a quantised matrix's scale and bias buffers carry past their end: the streamed GEMV copies them in
 /// 16-byte units.
 pub const SB_PAD: usize = 8;
@@ -259,29 +242,6 @@ fn group_shift(gs: usize, bits: u32) -> Result<i32> {
     let cpv = 128 / bits as usize;
     ensure!(gs % cpv == 0 && (gs / cpv).is_power_of_two(), "group size {gs} is not a power-of-two multiple of {cpv}");
     Ok((gs / cpv).trailing_zeros() as i32)
-}
-
-/// Whether a matrix can take the tensor-core GEMV (gemv.cu `gemv_mma_*`, after [`Gpu::tile16`]): 4-bit, cols a
-/// multiple of 64 and at most 4096, group size 64·2^k.
-pub fn tile16_eligible(bits: u32, cols: usize, gs: usize) -> bool {
-    bits == 4 && cols % 64 == 0 && cols <= 4096 && gs >= 64 && gs.is_power_of_two() && cols % gs == 0
-}
-
-/// Whether [`Gpu::gemv`] takes the tensor-core kernel for `m` (a [`Gpu::tile16`] matrix). There x is rounded to f16
-/// (each 64-column block scaled by its own power of two), so results carry ~2^-11 relative rounding of the inputs;
-/// elsewhere x stays f32.
-pub fn gemv_tensor_core(m: &QMat) -> bool {
-    m.tiled
-}
-
-/// Relative error (max |diff| / max |ref|) a GEMV of `m` is held to against the f32 CPU reference in the tests:
-/// f16 inputs on the tensor-core path, f32 elsewhere.
-pub fn gemv_tolerance(m: &QMat) -> f32 {
-    if gemv_tensor_core(m) {
-        2e-3
-    } else {
-        1e-4
-    }
 }
 
 /// The null device pointer for optional kernel arguments.
@@ -322,14 +282,7 @@ impl Gpu {
                 }
             }
         }
-        let mut gemv_mma = Vec::new();
-        for nv in [2, 4] {
-            for mode in 0..2 {
-                let name = format!("gemv_mma_q4_m{mode}_n{nv}");
-                gemv_mma.push(gm.load_function(&name).with_context(|| format!("kernel {name} in gemv.cu"))?);
-            }
-        }
-        for func in gemv.iter().chain(&gemv_mma).chain([&f.moe_down, &f.router_topk_q8, &f.moe_gate_up]) {
+        for func in gemv.iter().chain([&f.moe_down, &f.router_topk_q8, &f.moe_gate_up]) {
             func.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 TMA_SMEM_MAX as i32,
@@ -341,7 +294,7 @@ impl Gpu {
         // their bulk copies could not start early. (`TERN_CARVEOUT=<percent>` overrides, for A/B measurements.)
         let carveout = std::env::var("TERN_CARVEOUT").ok().and_then(|v| v.parse::<i32>().ok()).unwrap_or(100);
         if carveout >= 0 {
-            for func in gemv.iter().chain(&gemv_mma).chain(f.all()) {
+            for func in gemv.iter().chain(f.all()) {
                 func.set_attribute(
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                     carveout.min(100),
@@ -355,7 +308,6 @@ impl Gpu {
             stream,
             f,
             gemv,
-            gemv_mma,
             sms,
             uploaded: Default::default(),
             staging: Default::default(),
@@ -484,27 +436,19 @@ impl Gpu {
         ensure!(x.len() >= m.cols && y.len() >= y_off + m.rows, "gemv: x {} / y {} too short", x.len(), y.len());
         ensure!(gain.is_none_or(|g| g.len() >= m.cols), "gemv: gain shorter than cols");
         let (func, grid, smem, nstages) = self.gemv_plan(m, gain.is_some(), false)?;
-        let (rows, cols, acc) = (m.rows as i32, m.cols as i32, accumulate as i32);
+        let (rows, cols, gshift, acc) = (m.rows as i32, m.cols as i32, group_shift(m.gs, m.bits)?, accumulate as i32);
         let yv = y.slice(y_off..);
         let mut l = self.launcher(func);
-        if m.tiled {
-            let gsh = (m.gs / 64).trailing_zeros() as i32;
-            l.arg(&m.w).arg(&m.s).arg(&rows).arg(&cols).arg(&gsh).arg(x);
-        } else {
-            let (s, b) = m.row_major("gemv")?;
-            l.arg(&m.w).arg(s).arg(b).arg(&rows).arg(&cols).arg(&group_shift(m.gs, m.bits)?).arg(x);
-        }
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gshift).arg(x);
         match gain {
             Some(g) => l.arg(g),
             None => l.arg(&NULL),
         };
         l.arg(&eps).arg(&yv).arg(&acc).arg(&nstages);
-        // SAFETY: argument lists match gemv_tma_* / gemv_mma_* in gemv.cu; x, y and gain checked above; the bulk
-        // copies read whole rows of w (cols*bits/8 is a multiple of 16) and at most 16 bytes past the scales/biases
-        // of the last row (padding checked by gemv_plan), or whole 16-row tiles of a tiled matrix (tile16 sized
-        // its buffers in whole tiles); shared memory = staged x + ring, as gemv_plan sized it.
-        let threads = if m.tiled { MMA_THREADS } else { GEMV_THREADS };
-        unsafe { l.launch(cfg((grid, 1), threads, smem)) }?;
+        // SAFETY: argument list matches gemv_tma_* in gemv.cu; x, y and gain checked above; the bulk copies read
+        // whole rows of w (cols*bits/8 is a multiple of 16) and at most 16 bytes past the scales/biases of the last
+        // row (padding checked by gemv_plan); shared memory = x + chunk sums + ring.
+        unsafe { l.launch(cfg((grid, 1), GEMV_THREADS, smem)) }?;
         Ok(())
     }
 
@@ -515,26 +459,11 @@ impl Gpu {
         ensure!(m.cols * m.bits as usize % 128 == 0 && m.gs % (128 / m.bits as usize) == 0, "gemv: bad layout");
         ensure!(m.cols <= 4096, "gemv: cols {} over the kernel's prologue (at most 4096)", m.cols);
         let ng = m.cols / m.gs;
-        let sms = self.sms as usize;
-        if m.tiled {
-            ensure!(!router && m.cols <= 4096, "gemv: a tiled matrix goes through the tensor-core GEMV only");
-            // one 16-row tile per stage: codes + (scale, bias) pairs (gemv_mma_body)
-            let nst = m.rows.div_ceil(16);
-            let grid = nst.min(sms);
-            let stage = 8 * m.cols + 64 * ng;
-            let per_block = nst.div_ceil(grid);
-            let budget = if per_block >= 8 { TMA_RING_BUDGET_DEEP } else { TMA_RING_BUDGET };
-            let nstages = (budget / stage).clamp(1, MMA_MAX_STAGES).min(per_block);
-            let smem = (m.cols * 2 + m.cols / 64 * 16).div_ceil(128) * 128 + nstages * stage;
-            ensure!(smem <= TMA_SMEM_MAX, "gemv: {} x {} needs {smem} bytes of shared memory", m.rows, m.cols);
-            let func = &self.gemv_mma[(m.cols > 2048) as usize * 2 + rms as usize];
-            return Ok((func, grid as u32, smem, nstages as i32));
-        }
-        let (s, b) = m.row_major("gemv")?;
         ensure!(
-            s.len() >= m.rows * ng + SB_PAD && b.len() >= m.rows * ng + SB_PAD,
+            m.s.len() >= m.rows * ng + SB_PAD && m.b.len() >= m.rows * ng + SB_PAD,
             "gemv: scale/bias buffers must carry {SB_PAD} values of padding"
         );
+        let sms = self.sms as usize;
         // 4 rows per warp (32-row stages) when that still gives every SM two stages, else 1 row per warp
         let r4 = !router && m.rows.div_ceil(32) >= 2 * sms;
         let sr = if r4 { 32 } else { 8 };
@@ -611,8 +540,7 @@ impl Gpu {
         let (func, grid, smem, nstages) = self.gemv_plan(m, true, true)?;
         let (rows, cols, gs, ki) = (m.rows as i32, m.cols as i32, group_shift(m.gs, 8)?, k as i32);
         let mut l = self.launcher(func);
-        let (s, b) = m.row_major("router_topk")?;
-        l.arg(&m.w).arg(s).arg(b).arg(&rows).arg(&cols).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*logits);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&rows).arg(&cols).arg(&gs).arg(x).arg(gain).arg(&eps).arg(&*logits);
         l.arg(&nstages).arg(&ki).arg(&*counter).arg(&*idx).arg(&*wts);
         // SAFETY: matches router_topk_q8 in gemv.cu; buffers checked above (logits E+1, idx/wts k+1 slots);
         // counter[0] is only touched by this kernel, which returns it to zero, counter[32] only by it, moe_gate_up
@@ -839,37 +767,11 @@ impl Gpu {
         ensure!(m.bits == 4 && m.cols % 8 == 0 && x.len() >= m.cols && !tok.is_empty(), "embed: shapes");
         let (cols, gs) = (m.cols as i32, m.gs as i32);
         let mut l = self.launcher(&self.f.embed_q4);
-        let (s, b) = m.row_major("embed")?;
-        l.arg(&m.w).arg(s).arg(b).arg(&cols).arg(&gs).arg(tok).arg(&*x);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&cols).arg(&gs).arg(tok).arg(&*x);
         // SAFETY: matches embed_q4 in misc.cu; token ids are checked against the vocabulary on the host or come
         // from argmax over the vocabulary.
         unsafe { l.launch(cfg((m.cols.div_ceil(256) as u32, 1), 256, 0)) }?;
         Ok(())
-    }
-
-    /// `m` in the tensor-core GEMV's layout (misc.cu `tile16_repack`: 16-row tiles, each lane's MMA fragment words
-    /// contiguous, (scale, bias) pairs per tile), when [`tile16_eligible`]; otherwise `m` unchanged. Only for
-    /// matrices that [`Gpu::gemv`] alone reads (not the embedding, not the router).
-    /// Applied only where each SM gets at most one tile (rows <= 16 * SMs: out_proj, o_proj): there the
-    /// tensor-core kernel measured faster (2.8 vs 3.6 µs per launch in the step); with several tiles per block
-    /// (in_proj, attention qkv, lm_head) it measured slower than the streamed GEMV (~0.7 µs of compute per tile,
-    /// not yet understood; docs/cuda-notes.md step 13).
-    pub fn tile16(&self, m: QMat) -> Result<QMat> {
-        if m.tiled || !tile16_eligible(m.bits, m.cols, m.gs) || m.rows.div_ceil(16) > self.sms as usize {
-            return Ok(m);
-        }
-        let (s, b) = m.row_major("tile16")?;
-        let (tiles, ng) = (m.rows.div_ceil(16), m.cols / m.gs);
-        ensure!(m.w.len() >= m.rows * m.cols / 8 && s.len() >= m.rows * ng && b.len() >= m.rows * ng, "tile16: shapes");
-        let tw = self.zeros::<u32>(tiles * 16 * m.cols / 8)?;
-        let tsb = self.zeros::<u16>(tiles * 16 * ng * 2)?;
-        let (rows, cols, gs) = (m.rows as i32, m.cols as i32, m.gs as i32);
-        let mut l = self.launcher(&self.f.tile16_repack);
-        l.arg(&m.w).arg(s).arg(b).arg(&rows).arg(&cols).arg(&gs).arg(&tw).arg(&tsb);
-        // SAFETY: matches tile16_repack in misc.cu; sources hold rows x cols codes and rows x cols/gs scales/biases
-        // (checked above), the outputs whole 16-row tiles (allocated above); grid-stride, any grid size works.
-        unsafe { l.launch(cfg((4 * self.sms, 1), 256, 0)) }?;
-        Ok(QMat { rows: m.rows, cols: m.cols, bits: m.bits, gs: m.gs, w: tw, s: tsb, b: None, tiled: true })
     }
 
     /// Number of partial blocks used by [`Gpu::argmax`].

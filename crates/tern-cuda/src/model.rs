@@ -78,8 +78,7 @@ pub fn stack(gpu: &Gpu, ms: &[&QuantMatrix], what: &str) -> Result<QMat> {
         gs: f.group_size(),
         w: gpu.upload_parts(&w, 0)?,
         s: gpu.upload_parts(&[&s], crate::gpu::SB_PAD)?,
-        b: Some(gpu.upload_parts(&[&b], crate::gpu::SB_PAD)?),
-        tiled: false,
+        b: gpu.upload_parts(&[&b], crate::gpu::SB_PAD)?,
     })
 }
 
@@ -130,17 +129,17 @@ impl DeviceModel {
             let _ = i;
             let mixer = match &l.mixer {
                 Mixer::Attention(a) => DMixer::Attn {
-                    qkv: g.tile16(stack(
+                    qkv: stack(
                         g,
                         &[q(&a.q_proj, "q_proj")?, q(&a.k_proj, "k_proj")?, q(&a.v_proj, "v_proj")?],
                         "attn",
-                    )?)?,
-                    o: g.tile16(stack(g, &[q(&a.o_proj, "o_proj")?], "o_proj")?)?,
+                    )?,
+                    o: stack(g, &[q(&a.o_proj, "o_proj")?], "o_proj")?,
                     qn: g.upload(&a.q_norm)?,
                     kn: g.upload(&a.k_norm)?,
                 },
                 Mixer::DeltaNet(d) => DMixer::Gdn {
-                    proj: g.tile16(stack(
+                    proj: stack(
                         g,
                         &[
                             q(&d.in_proj_qkv, "in_proj_qkv")?,
@@ -149,8 +148,8 @@ impl DeviceModel {
                             q(&d.in_proj_a, "in_proj_a")?,
                         ],
                         "gdn in_proj",
-                    )?)?,
-                    out: g.tile16(stack(g, &[q(&d.out_proj, "out_proj")?], "out_proj")?)?,
+                    )?,
+                    out: stack(g, &[q(&d.out_proj, "out_proj")?], "out_proj")?,
                     conv: g.upload(&d.conv)?,
                     a_log: g.upload(&d.a_log)?,
                     dt_bias: g.upload(&d.dt_bias)?,
@@ -172,7 +171,7 @@ impl DeviceModel {
             });
         }
         let embed = stack(g, &[quant(&w.embed, "embed")?], "embed")?;
-        let lm_head = g.tile16(stack(g, &[quant(&w.lm_head, "lm_head")?], "lm_head")?)?;
+        let lm_head = stack(g, &[quant(&w.lm_head, "lm_head")?], "lm_head")?;
         let norm = g.upload(&w.norm)?;
         g.stream.synchronize()?;
         progress(w.layers.len(), w.layers.len());
@@ -200,7 +199,7 @@ impl DeviceModel {
             let sc = target / std_q;
             g.fill_bf16(&mut s, sc)?;
             g.fill_bf16(&mut b, -sc * levels / 2.0)?;
-            Ok(QMat { rows, cols, bits, gs, w, s, b: Some(b), tiled: false })
+            Ok(QMat { rows, cols, bits, gs, w, s, b })
         };
         let (h, e, i, is) = (c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
         let mut layers = Vec::new();
@@ -210,8 +209,8 @@ impl DeviceModel {
                 LayerKind::Full => {
                     let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
                     DMixer::Attn {
-                        qkv: g.tile16(qmat(2 * nh * hd + 2 * nkv * hd, h, 4, false)?)?,
-                        o: g.tile16(qmat(h, nh * hd, 4, false)?)?,
+                        qkv: qmat(2 * nh * hd + 2 * nkv * hd, h, 4, false)?,
+                        o: qmat(h, nh * hd, 4, false)?,
                         qn: ones(hd)?,
                         kn: ones(hd)?,
                     }
@@ -225,8 +224,8 @@ impl DeviceModel {
                     let mut dt_bias = g.zeros::<f32>(hv)?;
                     g.fill_uniform(&mut dt_bias, next(), -1.0, 1.0)?;
                     DMixer::Gdn {
-                        proj: g.tile16(qmat(cd + vd + 2 * hv, h, 4, false)?)?,
-                        out: g.tile16(qmat(h, vd, 4, false)?)?,
+                        proj: qmat(cd + vd + 2 * hv, h, 4, false)?,
+                        out: qmat(h, vd, 4, false)?,
                         conv,
                         a_log,
                         dt_bias,
@@ -255,7 +254,7 @@ impl DeviceModel {
             layers.push(DLayer { in_norm: ones(h)?, post_norm: ones(h)?, mixer, router, gate_up, down });
         }
         let embed = qmat(c.vocab_size, h, 4, true)?;
-        let lm_head = g.tile16(qmat(c.vocab_size, h, 4, false)?)?;
+        let lm_head = qmat(c.vocab_size, h, 4, false)?;
         let norm = g.upload(&vec![1.0f32; h])?;
         g.stream.synchronize()?;
         Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers })

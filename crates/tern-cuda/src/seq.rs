@@ -87,8 +87,8 @@ impl DeviceState {
             }
         }
         // flash-decoding splits: at most 128 per kv head, so that the long-context grid (2 kv heads x 128 splits)
-        // is one wave of attn_decode_kv (2 blocks per SM at 214 registers; 256 splits took two waves and measured
-        // 497 vs 532 tok/s at ctx 32,768); short contexts use fewer (at least 16 keys per split, the rest empty)
+        // is one wave of attn_decode_kv (2 blocks per SM at 231 registers; 256 splits took two waves: 497 vs 527
+        // tok/s at ctx 32,768); short contexts use fewer (at least 16 keys per split, the rest empty)
         let nsplit = (max_ctx / 16).clamp(1, 128);
         let k = c.num_experts_per_tok;
         let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);

@@ -2,7 +2,7 @@
 //! pass on the same 4-bit weights. Without a CUDA device each test prints `NO GPU: <name> not run (no CUDA device)`
 //! and passes; `TERN_REQUIRE_CUDA=1` turns that into a failure.
 
-use tern_cuda::gpu::{gemv_tensor_core, gemv_tolerance, QMat};
+use tern_cuda::gpu::QMat;
 use tern_cuda::seq::CudaOptions;
 use tern_cuda::{gpu_or_skip, CudaBackend, Gpu};
 use tern_model::forward::rms_norm;
@@ -25,11 +25,6 @@ impl Rng {
 
 fn to_dev(g: &Gpu, m: &QuantMatrix) -> QMat {
     tern_cuda::model::stack(g, &[m], "test matrix").unwrap()
-}
-
-/// A matrix as the model uploads a GEMV's weights: the tensor-core tile layout where it applies.
-fn to_gemv(g: &Gpu, m: &QuantMatrix) -> QMat {
-    g.tile16(to_dev(g, m)).unwrap()
 }
 
 /// max |a-b| / max |b|
@@ -56,15 +51,15 @@ fn gemv_matches_cpu_quant_kernels() {
         (8448, 2048, 8, 64),
         (8448, 4096, 8, 128),
         (64, 4096, 8, 64),
-        // tensor-core path with a 128-column group and a partial last 16-row tile
+        // 4-bit with a 128-column group, rows not a multiple of the stage
         (1000, 2048, 4, 128),
     ] {
         let w = rng.vec(rows * cols);
         let q = QuantMatrix::quantize_grouped(&w, rows, cols, bits, gs).unwrap();
-        let dm = to_gemv(&g, &q);
+        let dm = to_dev(&g, &q);
         let mut x = rng.vec(cols);
         if rows == 1000 {
-            // a few entries 1000x the rest: the f16 staging scales each 64-column block on its own
+            // a few entries 1000x the rest
             x.iter_mut().step_by(97).for_each(|v| *v *= 1000.0);
         }
         let gain: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
@@ -85,10 +80,9 @@ fn gemv_matches_cpu_quant_kernels() {
         let mut dy = g.upload(&y0).unwrap();
         g.gemv(&dm, &dx, Some(&dgain), 1e-6, &mut dy, 0, true).unwrap();
         let e_norm = rel(&g.download(&dy).unwrap(), &want2);
-        let (tol, path) = (gemv_tolerance(&dm), if gemv_tensor_core(&dm) { "tensor cores" } else { "f32" });
-        println!("gemv {rows}x{cols} {bits}-bit g{gs} ({path}): rel err plain {e_plain:.2e} norm+acc {e_norm:.2e}");
+        println!("gemv {rows}x{cols} {bits}-bit g{gs}: rel err plain {e_plain:.2e} norm+acc {e_norm:.2e}");
         for e in [e_plain, e_norm] {
-            assert!(e < tol, "gemv {rows}x{cols} {bits}-bit: rel error {e} (tolerance {tol})");
+            assert!(e < 1e-4, "gemv {rows}x{cols} {bits}-bit: rel error {e}");
         }
     }
 }

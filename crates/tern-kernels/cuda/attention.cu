@@ -13,8 +13,8 @@
 //                the block's slice; lane owns dims 8*lane..+7; the 32 scores (key j, head g) of a batch are
 //                reduce-scattered in 31 shuffles so lane = j*8+g holds one; p and the rescale factors go through
 //                smem; the warps' (acc, max, sum) are merged in smem at the end. q (x scale) lives in smem. The next
-//                batch's K/V loads are issued before the current batch's math (two-stage pipeline; 214 registers,
-//                2 blocks/SM), and L2 prefetches run AKV_PD batches ahead (the first ones before the dependency wait).
+//                batch's K/V loads are issued before the current batch's math (two-stage pipeline; 231 registers,
+//                2 blocks/SM).
 //                Bytes 2*(pos+1)*nkv*hd*2 + nh*hd*4. FLOPs 4*(pos+1)*nh*hd.
 // attn_combine : merges the partials per head (only the non-empty prefix of splits; blockDim/hd thread groups
 //                share the splits) and applies the sigmoid output gate -> o f32 [nh*hd].
@@ -164,19 +164,6 @@ __device__ __forceinline__ void rs_level(float* s, int lane) {
 #define AKV_W 4  // warps per block
 #define AKV_B 4  // keys per warp batch (AKV_B * AKV_G = 32 scores: one per lane after the reduce-scatter)
 #define AKV_G 8  // query heads per kv head (at most)
-#define AKV_PD 4  // batches (of the whole block: AKV_W * AKV_B keys) a warp's L2 prefetches run ahead
-
-// L2 prefetch of the K and V rows of keys tb .. tb+AKV_B-1 (< t1) of one kv head: lane = key*8 + (V ? 4 : 0) + line
-// of the row's 128-byte lines (rows of hd <= 256 bf16: at most 4 lines). A hint only (L2 stays coherent with the
-// newest row, which the previous kernel writes), so it may run before the dependency wait.
-__device__ __forceinline__ void kv_prefetch(const __nv_bfloat16* kh, const __nv_bfloat16* vh, long rs, int hd, int tb,
-                                            int t1, int lane) {
-    const int t = tb + (lane >> 3), line = lane & 3;
-    if (t < t1 && line * 64 < hd) {
-        const __nv_bfloat16* p = ((lane >> 2) & 1 ? vh : kh) + (long)t * rs + line * 64;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
-}
 
 // K and V rows tb .. tb+AKV_B-1 (clamped to t1-1; t1 >= 1) of this lane's 8 dims
 __device__ __forceinline__ void kv_batch(const __nv_bfloat16* kb, const __nv_bfloat16* vb, long rs, int tb, int t1,
@@ -202,15 +189,6 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
     const int kvh = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = nh / nkv;
-    // the position was advanced by the previous step's last kernel: the key range is known before the wait
-    const int len = __ldcg(pos_ptr) + 1;
-    const int chunk = max((len + nsplit - 1) / nsplit, ATT_MIN_SPLIT);
-    const int t0 = min(split * chunk, len), t1 = min(len, t0 + chunk);
-    const long rs = (long)nkv * hd;
-    const int tfirst = t0 + warp * AKV_B;
-#pragma unroll 1
-    for (int i = 0; i < AKV_PD; i++)
-        kv_prefetch(kc + (long)kvh * hd, vc + (long)kvh * hd, rs, hd, tfirst + i * AKV_W * AKV_B, t1, lane);
     pdl_wait();
     {
         // q of the group into smem: all loads first (one round trip)
@@ -225,8 +203,12 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
 #pragma unroll
         for (int j = 0; j < NQ; j++) qs[threadIdx.x + 32 * AKV_W * j] = qv[j] * scale;
     }
+    const int len = *pos_ptr + 1;
+    const int chunk = max((len + nsplit - 1) / nsplit, ATT_MIN_SPLIT);
+    const int t0 = min(split * chunk, len), t1 = min(len, t0 + chunk);
     const bool on = 8 * lane < hd;
     const int d0 = on ? 8 * lane : 0;
+    const long rs = (long)nkv * hd;
     const __nv_bfloat16* kb = kc + (long)kvh * hd + d0;
     const __nv_bfloat16* vb = vc + (long)kvh * hd + d0;
     float acc[AKV_G][8];
@@ -239,9 +221,9 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
     const float4* q4 = reinterpret_cast<const float4*>(qs) + 2 * lane;
     // PF: two-stage pipeline, the next batch's K/V loads are in flight during this batch's math
     uint4 kn[AKV_B], vn[AKV_B];
+    const int tfirst = t0 + warp * AKV_B;
     if (PF) kv_batch(kb, vb, rs, tfirst, t1, kn, vn);
     for (int tb = tfirst; tb < t1; tb += AKV_W * AKV_B) {
-        kv_prefetch(kc + (long)kvh * hd, vc + (long)kvh * hd, rs, hd, tb + AKV_PD * AKV_W * AKV_B, t1, lane);
         uint4 kv[AKV_B], vv[AKV_B];
         if (PF) {
 #pragma unroll

@@ -3,7 +3,6 @@
 // argmax_partial: per-block (max, index) of logits [n] (ties -> lower index). Bytes 4n.
 // argmax_final  : reduces the partials, writes tok[0] = argmax and advances the position counter pos[0] += 1.
 // fill_u32_hash / fill_bf16 / fill_f32_uniform: random weights generated on the device (benchmark model).
-// tile16_repack : a GEMV matrix into the tensor-core GEMV's tile layout, once at load.
 #include "common.cuh"
 
 extern "C" __global__ void embed_q4(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
@@ -95,28 +94,4 @@ extern "C" __global__ void fill_f32_uniform(float* p, long n, unsigned long long
     pdl_wait();
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         p[i] = lo + (hi - lo) * (hash32(seed * 0x9E3779B97F4A7C15ull + (uint64_t)i) >> 8) * (1.f / 16777216.f);
-}
-
-// tile16_repack: a row-major MLX 4-bit matrix (w u32 [rows, cols/8], s/b bf16 [rows, cols/gs]) into the layout the
-// tensor-core GEMV reads (gemv.cu gemv_mma_*), once at load: rows in tiles of 16 (rows past the end are zero);
-//   tw[((tile * nq + q) * 32 + lane) * 4 + j], nq = cols/64, lane = 4g + t: j = 0, 1 -> words 8q+2t, 8q+2t+1 of
-//   row 16 tile + g; j = 2, 3 -> the same words of row 16 tile + g + 8;
-//   tsb[(tile * ng + gq) * 16 + r] = scale | bias << 16 of row 16 tile + r, group gq (ng = cols/gs).
-// Grid-stride, one output word per thread step. Bytes: 2x the matrix. FLOPs: none.
-extern "C" __global__ void tile16_repack(const uint32_t* __restrict__ w, const uint16_t* __restrict__ s,
-                                         const uint16_t* __restrict__ b, int rows, int cols, int gs,
-                                         uint32_t* __restrict__ tw, uint32_t* __restrict__ tsb) {
-    const long tiles = (rows + 15) / 16, nq = cols / 64, ng = cols / gs, wpr = cols / 8;
-    const long nw = tiles * nq * 128, nsb = tiles * ng * 16;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < nw + nsb; i += (long)gridDim.x * blockDim.x) {
-        if (i < nw) {
-            const long j = i & 3, lane = (i >> 2) & 31, q = (i >> 7) % nq, tile = (i >> 7) / nq;
-            const long row = tile * 16 + (lane >> 2) + (j >> 1) * 8, word = 8 * q + 2 * (lane & 3) + (j & 1);
-            tw[i] = row < rows ? w[row * wpr + word] : 0u;
-        } else {
-            const long k = i - nw, r = k & 15, gq = (k >> 4) % ng, tile = (k >> 4) / ng;
-            const long row = tile * 16 + r;
-            tsb[k] = row < rows ? (uint32_t)s[row * ng + gq] | (uint32_t)b[row * ng + gq] << 16 : 0u;
-        }
-    }
 }
