@@ -174,9 +174,8 @@ fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) 
             g.moe_gate_up(&l.gate_up, e, k, sizes, &st.x, &l.post_norm, eps, &mut st.act, &st.counter)
         })?;
         show("moe_gate_up", t, k * q4(2 * i, h) + q4(2 * is, h));
-        let t = graph_time(g, n, &mut || {
-            g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter)
-        })?;
+        let t =
+            graph_time(g, n, &mut || g.moe_down(&l.down, e, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter))?;
         show("moe_down", t, k * q4(h, i) + q4(h, is));
     }
     if let Some(li) = ai {

@@ -597,14 +597,13 @@ impl Gpu {
         Ok(())
     }
 
-    /// `x += Σ_slot wts[slot] · D_{idx[slot]} act[slot]` over the k routed experts and the shared one (slot k);
-    /// clears the router's ready flag `counter[32]`.
+    /// `x += Σ_slot wts[slot] · D_{e(slot)} act[slot]` over the k routed experts and the shared one (slot k,
+    /// expert `n_experts`); the routed ids come from the router's ready flag `counter[32]`, which it then clears.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down(
         &self,
         down: &Experts,
         n_experts: usize,
-        idx: &CudaSlice<i32>,
         wts: &CudaSlice<f32>,
         k: usize,
         (i, is): (usize, usize),
@@ -614,9 +613,10 @@ impl Gpu {
     ) -> Result<()> {
         let h = x.len();
         let imax = i.max(is);
+        ensure!(wts.len() > k && act.len() >= (k + 1) * imax && counter.len() >= MOE_COUNTER_LEN, "moe_down: shapes");
         ensure!(
-            idx.len() > k && wts.len() > k && act.len() >= (k + 1) * imax && counter.len() >= MOE_COUNTER_LEN,
-            "moe_down: shapes"
+            (1..=8).contains(&k) && n_experts <= 256,
+            "moe_down: the router's ready flag carries at most 8 expert ids below 256 (k {k}, {n_experts} experts)"
         );
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down: expert buffer too short");
         ensure!(i % 32 == 0 && is % 32 == 0 && k < MOE_DOWN_MAXK, "moe_down: layout");
@@ -640,10 +640,11 @@ impl Gpu {
         let (words, groups) = (down.words as i64, down.groups as i64);
         let (ki, ii, isi, hi) = (k as i32, i as i32, is as i32, h as i32);
         let mut l = self.launcher(&self.f.moe_down);
-        l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(idx).arg(wts).arg(&ki).arg(&ii);
+        let ei = n_experts as i32;
+        l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&ei).arg(wts).arg(&ki).arg(&ii);
         l.arg(&isi).arg(&hi).arg(&gs).arg(act).arg(&*x).arg(&*counter);
-        // SAFETY: matches moe_down in moe.cu; shapes checked above; idx entries are < n_experts+1 (router), so the
-        // bulk copies stay inside the expert buffer (whole rows: n/2 bytes, a multiple of 16); each block writes its
+        // SAFETY: matches moe_down in moe.cu; shapes checked above; the ids in the router's flag are < n_experts
+        // (the shared expert is n_experts), so the bulk copies stay inside the expert buffer (whole rows: n/2 bytes, a multiple of 16); each block writes its
         // own rows of x; shared memory sized as the kernel lays it out.
         unsafe { l.launch(cfg((grid as u32, 1), GEMV_THREADS, smem)) }?;
         Ok(())

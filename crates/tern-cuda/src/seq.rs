@@ -241,9 +241,7 @@ impl DeviceState {
             timed("moe_gate_up", &mut || {
                 g.moe_gate_up(&l.gate_up, e, k, sizes, &st.x, &l.post_norm, eps, &mut st.act, &st.counter)
             })?;
-            timed("moe_down", &mut || {
-                g.moe_down(&l.down, e, &st.idx, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter)
-            })?;
+            timed("moe_down", &mut || g.moe_down(&l.down, e, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter))?;
         }
         timed("lm_head", &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), eps, &mut st.logits, 0, false))?;
         timed("argmax", &mut || g.argmax(&st.logits, &mut st.apv, &mut st.api, &mut st.tok, &mut st.pos))?;

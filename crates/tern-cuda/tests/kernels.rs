@@ -296,7 +296,7 @@ fn moe_block_matches_cpu() {
             // the step's path: router GEMV + softmax/top-k fused in one launch
             g.router_topk(&dl.router, &dx, &dl.post_norm, eps, k, &mut rl, &mut counter, &mut idx, &mut wts).unwrap();
             g.moe_gate_up(&dl.gate_up, e, k, sizes, &dx, &dl.post_norm, eps, &mut act, &counter).unwrap();
-            g.moe_down(&dl.down, e, &idx, &wts, k, sizes, &act, &mut dx, &mut counter).unwrap();
+            g.moe_down(&dl.down, e, &wts, k, sizes, &act, &mut dx, &mut counter).unwrap();
             let gi: Vec<usize> = g.download(&idx).unwrap()[..k].iter().map(|&i| i as usize).collect();
             let mut u = x.clone();
             rms_norm(&mut u, &l.post_norm, eps);

@@ -97,13 +97,19 @@ __device__ __forceinline__ void pdl_wait_only() { asm volatile("griddepcontrol.w
 // Block-wide wait for a nonzero 64-bit flag another kernel sets (st.release after its data) and returns it: thread
 // 0 polls with ld.acquire at gpu scope, the block barrier passes the ordering (and the value) on. A flag that is
 // never set traps after 2 s instead of hanging the device. The trace records the moment as the kernel's wait.
+__device__ __forceinline__ unsigned long long ld_acquire64(const unsigned long long* f) {
+    unsigned long long v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(f) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ unsigned long long wait_flag64(const unsigned long long* f) {
     __shared__ unsigned long long seen;
     if (threadIdx.x == 0) {
         const unsigned long long t0 = gtime();
         unsigned long long v;
         for (;;) {
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(f) : "memory");
+            v = ld_acquire64(f);
             if (v) break;
             if (gtime() - t0 > 2000000000ull) __trap();
         }

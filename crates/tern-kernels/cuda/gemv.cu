@@ -157,8 +157,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) router_topk_q8(
     __syncthreads();
     if (!last) return;
     if (threadIdx.x < 32) {
-        // idx/wts are read by moe_down only after this kernel has completed; moe_gate_up needs only the flag word
         const unsigned long long ids = topk_warp(y, rows - 1, k, idx, wts);
+        __syncwarp();  // the warp's idx/wts writes come before lane 0's release of the flag
         if (threadIdx.x == 0) {
             counter[0] = 0;
             // idx/wts are out: moe_gate_up's routed items may start (the flag carries the ids)

@@ -11,8 +11,8 @@
 //                 ready flag (counter[MOE_FLAG]) is set, each warp's 4 rows bulk-copied into shared memory.
 //                 Bytes: (k*2I + 2Is)*H/2 (+scales). FLOPs 2*(k*2I+2Is)*H.
 // moe_down      : x[r] += sum_slot wt[slot] * (D_e[r] . act[slot]) (residual add fused); each block bulk-copies
-//                 its rows of the k+1 experts into shared memory before the dependency wait (idx is two launches
-//                 old). Bytes: H*(k*I + Is)/2 (+scales). FLOPs 2*H*(k*I+Is).
+//                 its rows of the k+1 experts into shared memory before the dependency wait (the ids from the
+//                 router's ready flag). Bytes: H*(k*I + Is)/2 (+scales). FLOPs 2*H*(k*I+Is).
 #include "common.cuh"
 
 extern "C" __global__ void moe_topk(const float* __restrict__ logits, int E, int k, int* __restrict__ idx,
@@ -126,7 +126,7 @@ extern "C" __global__ void __maxnreg__(96) moe_gate_up(
 }
 
 // Down projection, streamed: block b owns output rows [r0, r1) (an even split of H over the grid, <= DN_RB rows).
-// Before the dependency wait (idx/wts come from the router, two launches back) it reads the k+1 expert ids and
+// Before the dependency wait it reads the k+1 expert ids (the routed ones from the router's ready flag) and
 // bulk-copies (TMA) those rows of each slot's down matrix into shared memory ([slot][DN_RB rows][n/2 bytes], n =
 // I, or Is for the shared slot) and loads their scales/biases into shared memory. After the wait it stages act
 // (x 2^90, padded, 32-column chunk sums by shuffles) and computes: warp w takes rows w, w+8, ...; a row's
@@ -136,8 +136,8 @@ extern "C" __global__ void __maxnreg__(96) moe_gate_up(
 
 extern "C" __global__ void __launch_bounds__(256) moe_down(
     const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s, const __nv_bfloat16* __restrict__ b,
-    long words, long groups, const int* __restrict__ idx, const float* __restrict__ wts, int k, int I, int Is, int H,
-    int gshift, const float* __restrict__ act, float* __restrict__ x, unsigned int* __restrict__ counter) {
+    long words, long groups, int E, const float* __restrict__ wts, int k, int I, int Is, int H, int gshift,
+    const float* __restrict__ act, float* __restrict__ x, unsigned int* __restrict__ counter) {
     KTRACE(42);
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) uint64_t full;
@@ -157,7 +157,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     float* cs = as + (k + 1) * stride;
     float* scs = cs + (k + 1) * (Imax / 32);
     float* bss = scs + (k + 1) * DN_RB * ngM;
-    if (tid <= k) sidx[tid] = __ldcg(idx + tid);
+    if (tid <= k) {
+        // the routed ids come with the router's ready flag (set, and acquired here, before this kernel could
+        // launch: moe_gate_up lets it launch only after seeing the flag); slot k is the shared expert, id E
+        const unsigned long long ids = ld_acquire64(reinterpret_cast<const unsigned long long*>(counter + MOE_FLAG));
+        sidx[tid] = tid < k ? (int)((ids >> (8 * tid)) & 0xff) : E;
+    }
     __syncthreads();
     if (tid == 0) {
         mbar_init(&full, 1);
