@@ -373,6 +373,27 @@ impl Sequence for CudaSequence {
     fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
         self.forward_ids(ids)
     }
+    /// The step's own argmax (over the whole vocabulary, on the device): 4 bytes cross to the host instead of the
+    /// logits; only if it lands past `limit` (a padded row beyond the tokenizer's ids) are the logits fetched.
+    fn forward_argmax(&mut self, ids: &[u32], limit: usize) -> Result<Option<u32>> {
+        let g = self.model.gpu.clone();
+        let vocab = self.model.config.vocab_size;
+        ensure!(!ids.is_empty(), "forward needs at least one token");
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
+        }
+        for &id in ids {
+            self.st.set_token(&g, id)?;
+            self.st.step_graph(&self.model)?;
+        }
+        let t = g.download(&self.st.tok)?[0] as usize;
+        if t < limit.min(vocab) {
+            return Ok(Some(t as u32));
+        }
+        let logits = g.download(&self.st.logits)?;
+        let l = &logits[..limit.min(vocab)];
+        Ok(Some(l.iter().enumerate().fold(0, |b, (i, &v)| if v > l[b] { i } else { b }) as u32))
+    }
     fn len(&self) -> usize {
         self.st.len
     }

@@ -149,3 +149,33 @@ fn decode_step_matches_cpu_forward_on_tiny_b() {
     println!("tiny-b fork at 101: rel err {e:.2e}");
     assert!(e < 3e-2);
 }
+
+/// The engine's greedy fast path: `forward_argmax` (the step's own device argmax, 4 bytes to the host) picks the
+/// same ids as the host argmax of `forward`'s logits, on twin sequences fed the same prompt and then their own
+/// picks; a limit below the vocabulary is honoured.
+#[test]
+fn forward_argmax_matches_host_argmax_of_the_logits() {
+    let Some(_g) = gpu_or_skip("forward_argmax_matches_host_argmax_of_the_logits") else { return };
+    let w = tiny_b_q4();
+    let v = w.config.vocab_size;
+    let be = CudaBackend::new(&w, CudaOptions { max_context: 128 }).unwrap();
+    let (mut a, mut b) = (be.new_cuda_sequence().unwrap(), be.new_cuda_sequence().unwrap());
+    let am = |x: &[f32]| x.iter().enumerate().fold(0, |m, (i, &y)| if y > x[m] { i } else { m }) as u32;
+    let prompt: Vec<u32> = (0..9u32).map(|i| (i * 37 + 5) % v as u32).collect();
+    let mut la = tern_engine::Sequence::forward(&mut a, &prompt).unwrap();
+    let mut tb = tern_engine::Sequence::forward_argmax(&mut b, &prompt, v).unwrap().unwrap();
+    for step in 0..40 {
+        let ta = am(&la);
+        assert_eq!(ta, tb, "step {step}: host argmax {ta}, device argmax {tb}");
+        la = tern_engine::Sequence::forward(&mut a, &[ta]).unwrap();
+        tb = tern_engine::Sequence::forward_argmax(&mut b, &[tb], v).unwrap().unwrap();
+    }
+    // with the limit at the winner (so the winner is excluded), the answer is the argmax of the allowed prefix
+    let id = am(&la);
+    let mut c = tern_engine::Sequence::fork(&a);
+    let lc = tern_engine::Sequence::forward(&mut a, &[id]).unwrap();
+    let lim = (am(&lc) as usize).max(1);
+    let tc = tern_engine::Sequence::forward_argmax(c.as_mut(), &[id], lim).unwrap().unwrap();
+    assert_eq!(tc, am(&lc[..lim]), "limit {lim}");
+    println!("forward_argmax: 41 greedy ids identical to the host argmax; limit {lim} honoured (got {tc})");
+}

@@ -9,6 +9,13 @@ use tern_model::{Logits, State, Weights};
 pub trait Sequence: Send {
     /// Read `ids` after what the sequence holds; return the logits `[vocab]` after the last one.
     fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>>;
+    /// Greedy decoding without moving the logits: read `ids` and return the index of the largest of the first
+    /// `limit` logits after the last one (ties: the lower index), where the backend finds it next to the logits
+    /// (the CUDA step computes it on the device, so only the id crosses to the host). `None`, having read nothing:
+    /// the backend has no such path; use [`Sequence::forward`].
+    fn forward_argmax(&mut self, _ids: &[u32], _limit: usize) -> Result<Option<u32>> {
+        Ok(None)
+    }
     /// Tokens read so far.
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {

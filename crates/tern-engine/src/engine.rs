@@ -320,12 +320,29 @@ fn step(a: &mut Active, cache: &mut PrefixCache, stats: &Stats, cfg: &EngineConf
             None => return Outcome::Finished,
         }
     };
-    let logits = match a.seq.forward(&ids) {
-        Ok(l) => l,
-        Err(e) => {
-            let _ = a.job.events.send(Event::Error(format!("{e:#}")));
-            return Outcome::Finished;
+    // The chunk that completes the prompt, and every decode step, yield a token: under plain greedy sampling the
+    // backend may pick it where the logits are (the CUDA step's own argmax) instead of sending all of them.
+    let yields_token = a.next + ids.len() >= prompt_len;
+    let greedy_id = if yields_token && a.job.req.logprobs.is_none() && a.sampler.is_plain_greedy() {
+        match a.seq.forward_argmax(&ids, a.tokenizer_vocab) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = a.job.events.send(Event::Error(format!("{e:#}")));
+                return Outcome::Finished;
+            }
         }
+    } else {
+        None
+    };
+    let logits = match greedy_id {
+        Some(_) => Vec::new(),
+        None => match a.seq.forward(&ids) {
+            Ok(l) => l,
+            Err(e) => {
+                let _ = a.job.events.send(Event::Error(format!("{e:#}")));
+                return Outcome::Finished;
+            }
+        },
     };
     a.fed.extend_from_slice(&ids);
     if a.next < prompt_len {
@@ -338,7 +355,10 @@ fn step(a: &mut Active, cache: &mut PrefixCache, stats: &Stats, cfg: &EngineConf
             return Outcome::Continue;
         }
     }
-    emit(a, logits, stats, cfg)
+    match greedy_id {
+        Some(token) => emit_token(a, token, None, stats, cfg),
+        None => emit(a, logits, stats, cfg),
+    }
 }
 
 /// Sample the next token from `logits`, stream it, and decide whether generation goes on.
@@ -365,6 +385,11 @@ fn emit(a: &mut Active, mut logits: Vec<f32>, stats: &Stats, cfg: &EngineConfig)
     });
     let token = a.sampler.sample(&mut logits, &a.generated);
     let logprob = lp.map(|(raw, lse, top)| TokenLogprob { token, logprob: raw[token as usize] - lse, top });
+    emit_token(a, token, logprob, stats, cfg)
+}
+
+/// Stream the chosen `token`, and decide whether generation goes on.
+fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: &Stats, cfg: &EngineConfig) -> Outcome {
     a.generated.push(token);
     a.usage.completion_tokens += 1;
     stats.completion_tokens.fetch_add(1, Ordering::Relaxed);

@@ -2,11 +2,12 @@
 //! forward loop, the prefix cache changes nothing but the work, cancellation frees the sequence, errors carry
 //! their numbers.
 
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tern_engine::{
-    Backend, CpuBackend, Engine, EngineConfig, Event, FinishReason, Request, ScriptedBackend, SubmitError,
+    Backend, CpuBackend, Engine, EngineConfig, Event, FinishReason, Request, ScriptedBackend, Sequence, SubmitError,
 };
 use tern_model::testutil::{fixtures_dir, qwen_dir};
 use tern_model::{Logits, State, Weights};
@@ -201,4 +202,74 @@ fn padded_vocabulary_rows_are_never_sampled() {
         assert!(matches!(done, Event::Done { .. }), "{done:?}");
         assert!(toks.iter().all(|&t| (t as usize) < tok.vocab_size()), "{toks:?}");
     }
+}
+
+/// A backend whose sequences pick the greedy token themselves (as the CUDA backend does on the device), counting
+/// how often the engine asks them to.
+struct ArgmaxBackend {
+    inner: CpuBackend,
+    calls: Arc<AtomicUsize>,
+}
+
+struct ArgmaxSequence {
+    inner: Box<dyn Sequence>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Sequence for ArgmaxSequence {
+    fn forward(&mut self, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward(ids)
+    }
+    fn forward_argmax(&mut self, ids: &[u32], limit: usize) -> anyhow::Result<Option<u32>> {
+        self.calls.fetch_add(1, AtomicOrdering::Relaxed);
+        let logits = self.inner.forward(ids)?;
+        let l = &logits[..limit.min(logits.len())];
+        Ok(Some(l.iter().enumerate().fold(0, |b, (i, v)| if *v > l[b] { i } else { b }) as u32))
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn fork(&self) -> Box<dyn Sequence> {
+        Box::new(ArgmaxSequence { inner: self.inner.fork(), calls: self.calls.clone() })
+    }
+}
+
+impl Backend for ArgmaxBackend {
+    fn name(&self) -> &str {
+        "argmax"
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn new_sequence(&self) -> Box<dyn Sequence> {
+        Box::new(ArgmaxSequence { inner: self.inner.new_sequence(), calls: self.calls.clone() })
+    }
+}
+
+#[test]
+fn plain_greedy_requests_take_the_backends_argmax_and_nothing_else_does() {
+    let tok = tok_or_skip!("plain_greedy_requests_take_the_backends_argmax_and_nothing_else_does");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let cpu = Engine::start(Arc::new(CpuBackend::new(fixture())), tok.clone(), EngineConfig::default());
+    let backend = ArgmaxBackend { inner: CpuBackend::new(fixture()), calls: calls.clone() };
+    let fast = Engine::start(Arc::new(backend), tok, EngineConfig::default());
+    let prompt: Vec<u32> = vec![5, 17, 200, 33, 8];
+    // plain greedy: every token (the one after the prompt and each decode step) comes from forward_argmax
+    let (want, _) = collect(&cpu, greedy(prompt.clone(), 12));
+    let (got, _) = collect(&fast, greedy(prompt.clone(), 12));
+    assert_eq!(got, want);
+    assert_eq!(calls.load(AtomicOrdering::Relaxed), 12);
+    // sampling, a penalty or logprobs need the logits: forward_argmax is not asked
+    let mut sampled = greedy(prompt.clone(), 6);
+    (sampled.sampling.temperature, sampled.sampling.seed) = (0.8, Some(7));
+    let mut penalised = greedy(prompt.clone(), 6);
+    penalised.sampling.repetition_penalty = 1.3;
+    let mut with_lp = greedy(prompt, 6);
+    with_lp.logprobs = Some(2);
+    for req in [sampled, penalised, with_lp] {
+        let (want, _) = collect(&cpu, req.clone());
+        let (got, _) = collect(&fast, req);
+        assert_eq!(got, want);
+    }
+    assert_eq!(calls.load(AtomicOrdering::Relaxed), 12);
 }
