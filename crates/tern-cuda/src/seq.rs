@@ -353,19 +353,25 @@ pub struct CudaSequence {
 unsafe impl Send for CudaSequence {}
 
 impl CudaSequence {
-    /// Read `ids`; logits after the last one.
-    pub fn forward_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let g = self.model.gpu.clone();
+    /// Read `ids`: one graph step each (token id checked against the vocabulary first).
+    fn read(&mut self, ids: &[u32]) -> Result<()> {
+        let g = &self.model.gpu;
         let vocab = self.model.config.vocab_size;
         ensure!(!ids.is_empty(), "forward needs at least one token");
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
         }
         for &id in ids {
-            self.st.set_token(&g, id)?;
+            self.st.set_token(g, id)?;
             self.st.step_graph(&self.model)?;
         }
-        g.download(&self.st.logits)
+        Ok(())
+    }
+
+    /// Read `ids`; logits after the last one.
+    pub fn forward_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        self.read(ids)?;
+        self.model.gpu.download(&self.st.logits)
     }
 }
 
@@ -376,22 +382,15 @@ impl Sequence for CudaSequence {
     /// The step's own argmax (over the whole vocabulary, on the device): 4 bytes cross to the host instead of the
     /// logits; only if it lands past `limit` (a padded row beyond the tokenizer's ids) are the logits fetched.
     fn forward_argmax(&mut self, ids: &[u32], limit: usize) -> Result<Option<u32>> {
-        let g = self.model.gpu.clone();
-        let vocab = self.model.config.vocab_size;
-        ensure!(!ids.is_empty(), "forward needs at least one token");
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
-        }
-        for &id in ids {
-            self.st.set_token(&g, id)?;
-            self.st.step_graph(&self.model)?;
-        }
+        self.read(ids)?;
+        let g = &self.model.gpu;
+        let limit = limit.min(self.model.config.vocab_size);
         let t = g.download(&self.st.tok)?[0] as usize;
-        if t < limit.min(vocab) {
+        if t < limit {
             return Ok(Some(t as u32));
         }
         let logits = g.download(&self.st.logits)?;
-        let l = &logits[..limit.min(vocab)];
+        let l = &logits[..limit];
         Ok(Some(l.iter().enumerate().fold(0, |b, (i, &v)| if v > l[b] { i } else { b }) as u32))
     }
     fn len(&self) -> usize {

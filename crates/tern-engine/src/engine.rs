@@ -323,26 +323,21 @@ fn step(a: &mut Active, cache: &mut PrefixCache, stats: &Stats, cfg: &EngineConf
     // The chunk that completes the prompt, and every decode step, yield a token: under plain greedy sampling the
     // backend may pick it where the logits are (the CUDA step's own argmax) instead of sending all of them.
     let yields_token = a.next + ids.len() >= prompt_len;
-    let greedy_id = if yields_token && a.job.req.logprobs.is_none() && a.sampler.is_plain_greedy() {
-        match a.seq.forward_argmax(&ids, a.tokenizer_vocab) {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = a.job.events.send(Event::Error(format!("{e:#}")));
-                return Outcome::Finished;
-            }
-        }
+    let picked = if yields_token && a.job.req.logprobs.is_none() && a.sampler.is_plain_greedy() {
+        a.seq.forward_argmax(&ids, a.tokenizer_vocab)
     } else {
-        None
+        Ok(None)
     };
-    let logits = match greedy_id {
-        Some(_) => Vec::new(),
-        None => match a.seq.forward(&ids) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = a.job.events.send(Event::Error(format!("{e:#}")));
-                return Outcome::Finished;
-            }
-        },
+    let read = picked.and_then(|t| match t {
+        Some(t) => Ok((Some(t), Vec::new())),
+        None => a.seq.forward(&ids).map(|l| (None, l)),
+    });
+    let (greedy_id, logits) = match read {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = a.job.events.send(Event::Error(format!("{e:#}")));
+            return Outcome::Finished;
+        }
     };
     a.fed.extend_from_slice(&ids);
     if a.next < prompt_len {
