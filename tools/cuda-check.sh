@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Build the CUDA checks here (needs nvcc: .ci/install-nvcc) and stage them in .carry/ (git-ignored via
-# .git/info/exclude), then on the H200 run, from the repo root, with carry [".carry"]:
-#   [ -e /work/main ] || { mkdir -p /work; ln -s $PWD /work/main; }   # tests find tests/fixtures by build path
-#   TERN_REQUIRE_CUDA=1 ./.carry/gpu-test --test-threads=1 --nocapture; ./.carry/tern-cuda-bench .carry/qwen
+# Stage the CUDA checks for the H200 (needs nvcc here: .ci/install-nvcc). Builds the release `tern` binary and the
+# GPU test binaries and copies them, with the model config, into .carry/ (git-ignored).
+# Then, through the device tool, with carry [".carry"], from the repo root:
+#   bash tools/cuda-run.sh tests            # every GPU test, one process each (a trap in one cannot hide the rest)
+#   bash tools/cuda-run.sh bench 256,4096   # tern bench --backend cuda on random full-shape weights
+# Logs go to $OUT (the device tool brings them back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -p tern-cuda --bins
-test=$(cargo test --release -p tern-cuda --no-run 2>&1 | grep -oE 'target/release/deps/gpu-[0-9a-f]+' | tail -1)
+cargo build --release -p tern-cli
 mkdir -p .carry/qwen
-grep -qx '/.carry/' "$(git rev-parse --git-path info/exclude)" || echo '/.carry/' >>"$(git rev-parse --git-path info/exclude)"
-cp "$test" .carry/gpu-test
-cp target/release/tern-cuda-bench .carry/
+for t in gpu kernels prefill; do
+  bin=$(cargo test --release -p tern-cuda --test "$t" --no-run 2>&1 | grep -oE "target/release/deps/$t-[0-9a-f]+" | tail -1)
+  cp "$bin" ".carry/$t"
+done
+cp target/release/tern .carry/
 cp "${TERN_QWEN_DIR:-../shared/qwen3.6-35b-a3b}/config.json" .carry/qwen/
+git rev-parse --short HEAD >.carry/commit
 ls -la .carry

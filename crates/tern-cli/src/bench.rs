@@ -37,9 +37,13 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// cpu or cuda (cuda: --random-weights only, for now).
+    /// cpu or cuda.
     #[arg(long, default_value = "cpu")]
     pub backend: String,
+    /// CUDA: the bf16 tensor-core rate the prefill ceiling divides FLOPs by, TFLOP/s (the default is an 8192^3
+    /// bf16 GEMM through PyTorch on the H200 these figures come from: 769-798 on random data).
+    #[arg(long, default_value_t = 790.0)]
+    pub peak_tflops: f64,
     /// CUDA: also trace one graph step at the first --ctx (per kernel launch: when its blocks entered, when its
     /// dependency wait returned, when it ended; totals per kernel family).
     #[arg(long)]
@@ -61,10 +65,24 @@ pub fn run(args: Args) -> Result<()> {
         "cpu" if args.trace => bail!("--trace traces the CUDA decode step: give --backend cuda"),
         "cpu" => {}
         "cuda" => {
-            let cfg = args.config.as_ref().filter(|_| args.random_weights).context(
-                "--backend cuda: give --random-weights --config CONFIG (loaded checkpoints are not benchmarked on CUDA yet)",
-            )?;
-            return tern_cuda::bench::bench(&read_config(cfg)?, &args.ctx, args.repeats.max(3), args.trace);
+            let max_ctx = args.ctx.iter().max().copied().unwrap_or(0) + 256;
+            let opts = tern_cuda::seq::CudaOptions::with_context(max_ctx);
+            let t0 = Instant::now();
+            let be = match (&args.model, &args.config) {
+                (Some(m), _) => {
+                    let w = Weights::load_with(&resolve_model(m)?, LoadOptions { quantize: true })?;
+                    tern_cuda::CudaBackend::new(&w, opts)?
+                }
+                (None, Some(cfg)) if args.random_weights => {
+                    tern_cuda::CudaBackend::random(&read_config(cfg)?, 1, opts)?
+                }
+                _ => bail!("give --model DIR_OR_ID, or --random-weights --config CONFIG"),
+            };
+            eprintln!("model on the GPU in {:.1}s", t0.elapsed().as_secs_f64());
+            if args.peak_tflops <= 0.0 {
+                bail!("--peak-tflops must be positive");
+            }
+            return tern_cuda::bench::bench(&be, &args.ctx, args.repeats.max(3), args.trace, args.peak_tflops);
         }
         b => bail!("--backend {b}: expected cpu or cuda"),
     }

@@ -26,7 +26,7 @@ pub fn load_model(model: &str, backend: &str, ctx: usize) -> Result<Model> {
     let model = if use_cuda {
         // Quantised on load exactly as Model::load_cpu does; the kernels take 4-bit (and 8-bit) weights only.
         let w = Weights::load_with(&dir, LoadOptions { quantize: true })?;
-        let opts = tern_cuda::seq::CudaOptions { max_context: ctx };
+        let opts = tern_cuda::seq::CudaOptions::with_context(ctx);
         let t0 = std::time::Instant::now();
         let tty = std::io::stderr().is_terminal();
         let mut shown = usize::MAX;

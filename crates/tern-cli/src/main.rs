@@ -57,6 +57,12 @@ enum Cmd {
         /// Prefill the first K ids, then decode the rest one token at a time.
         #[arg(long)]
         split: Option<usize>,
+        /// cpu (the f32 reference) or cuda (4-bit weights: a bf16 checkpoint is quantised on load).
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// cpu: quantise a bf16 checkpoint to 4-bit on load, as the cuda backend does (compare like with like).
+        #[arg(long)]
+        quantize: bool,
     },
     /// Write a random checkpoint of a config in the official layout.
     RandomModel {
@@ -101,7 +107,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Detokenize(a) => text::detokenize(a),
         Cmd::Perplexity(a) => text::perplexity(a),
         Cmd::Serve(a) => tern_server::cli::main(a, load::load_model),
-        Cmd::Logits { model, ids, out, split } => logits(&model, &ids, &out, split),
+        Cmd::Logits { model, ids, out, split, backend, quantize } => {
+            logits(&model, &ids, &out, split, &backend, quantize)
+        }
         Cmd::RandomModel { config, out, dtype, seed, tokenizer_from, set, quant } => {
             random_model(&config, &out, quant.as_deref().unwrap_or(&dtype), seed, tokenizer_from.as_deref(), &set)
         }
@@ -123,9 +131,31 @@ fn parse_ids(s: &str, vocab: usize) -> Result<Vec<u32>> {
     Ok(ids)
 }
 
-fn logits(model: &Path, ids: &str, out: &Path, split: Option<usize>) -> Result<()> {
+/// Weights of `dir` for `tern logits`: as stored, or quantised on load (group 64, or 32 where 64 does not divide
+/// a matrix's columns, as in the tiny test models) when `quantize`. mlx checkpoints are used as stored.
+fn logits_weights(dir: &Path, quantize: bool) -> Result<Weights> {
+    let root: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("config.json"))
+            .with_context(|| format!("cannot read {}/config.json", dir.display()))?,
+    )?;
+    if !quantize || tern_model::mlx::QuantSpec::from_config(&root)?.is_some() {
+        return Weights::load(dir);
+    }
+    let config = tern_model::Config::from_dir(dir)?;
+    let gs = if config.hidden_size % 64 == 0 && config.moe_intermediate_size % 64 == 0 { 64 } else { 32 };
+    let spec = tern_model::mlx::QuantSpec::recipe(&config, 4, gs);
+    let ckpt = tern_model::safetensors::Checkpoint::open(dir)?;
+    Weights::from_values(config, &tern_model::mlx::HfValues::new(&ckpt)?, Some(&spec))
+}
+
+fn logits(model: &Path, ids: &str, out: &Path, split: Option<usize>, backend: &str, quantize: bool) -> Result<()> {
     let t0 = Instant::now();
-    let w = Weights::load(model)?;
+    let cuda = match backend {
+        "cpu" => false,
+        "cuda" => true,
+        b => bail!("--backend {b}: expected cpu or cuda"),
+    };
+    let w = logits_weights(model, quantize || cuda)?;
     let ids = parse_ids(ids, w.config.vocab_size)?;
     let n = ids.len();
     let k = split.unwrap_or(n);
@@ -134,12 +164,23 @@ fn logits(model: &Path, ids: &str, out: &Path, split: Option<usize>) -> Result<(
     }
     eprintln!("loaded {} in {:.2}s", model.display(), t0.elapsed().as_secs_f64());
     let t1 = Instant::now();
-    let mut state = State::new(&w.config);
-    let mut rows = w.forward(&ids[..k], &mut state, Logits::All);
-    for &id in &ids[k..] {
-        rows.extend(w.forward(&[id], &mut state, Logits::All));
-    }
-    eprintln!("{n} positions ({k} prefilled, {} decoded) in {:.2}s", n - k, t1.elapsed().as_secs_f64());
+    let rows = if cuda {
+        let be = tern_cuda::CudaBackend::new(&w, tern_cuda::seq::CudaOptions::with_context(n + 1))?;
+        let mut seq = be.new_cuda_sequence()?;
+        let mut rows = seq.st.prefill(&be.model, &ids[..k], true, false)?.logits;
+        for &id in &ids[k..] {
+            rows.extend(seq.forward_ids(&[id])?);
+        }
+        rows
+    } else {
+        let mut state = State::new(&w.config);
+        let mut rows = w.forward(&ids[..k], &mut state, Logits::All);
+        for &id in &ids[k..] {
+            rows.extend(w.forward(&[id], &mut state, Logits::All));
+        }
+        rows
+    };
+    eprintln!("{n} positions ({k} prefilled, {} decoded) on {backend} in {:.2}s", n - k, t1.elapsed().as_secs_f64());
     safetensors::write_f32(out, &[("logits", &[n, w.config.vocab_size], &rows)])?;
     eprintln!("wrote {}", out.display());
     Ok(())

@@ -1,4 +1,5 @@
-//! `tern bench --backend cuda`: decode speed on the GPU beside the bandwidth ceiling, and a per-kernel profile.
+//! `tern bench --backend cuda`: prefill (time to first token) and decode speed on the GPU beside their ceilings, and
+//! per-kernel profiles.
 
 use anyhow::{Context, Result};
 use cudarc::driver::sys;
@@ -6,58 +7,105 @@ use tern_model::{Config, LayerKind};
 
 use crate::gpu::{Gpu, TraceRec};
 use crate::model::DMixer;
-use crate::seq::{CudaOptions, LState, Profile};
+use crate::seq::{LState, Profile};
 use crate::CudaBackend;
 
 const BW: f64 = 4.3e12;
+/// Timed decode steps per context after the prefill.
+const DECODE_STEPS: usize = 64;
 
-/// Decode speed of the full-shape model `c` with random weights generated on the GPU: per context, the median
-/// over `repeats` runs of 64 graph-replayed steps after 8 warm-up steps, beside the ceiling (bytes moved per
-/// token / 4.3 TB/s, the H200's measured device-to-device copy rate); then a per-kernel-family profile of one
-/// non-graph step (CUDA events around each op) at 4,096 and 32,768 tokens of context; with `trace`, the
-/// in-kernel trace of one graph step at the first context (see `print_trace`).
-pub fn bench(c: &Config, ctxs: &[usize], repeats: usize, trace: bool) -> Result<()> {
+/// Synthetic prompt: `((i * 2654435761) mod 2^32) mod vocab` (the CPU bench's ids).
+fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n as u64).map(|i| ((i.wrapping_mul(2654435761) % (1 << 32)) % vocab as u64) as u32).collect()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// `tern bench --backend cuda` on `be`: per context, from an empty sequence, one timed prefill of the whole prompt
+/// (time to the first token: ids up, every layer, the last position's logits and argmax, the id back) and then
+/// `DECODE_STEPS` graph-replayed decode steps at that depth; medians over `repeats`. Prefill is shown beside its
+/// compute ceiling (FLOPs / `peak_tflops`, a bf16 GEMM rate measured on the card), decode beside its bandwidth
+/// ceiling (bytes moved per token / 4.3 TB/s, the H200's measured device-to-device copy rate). Then a per-kernel
+/// profile of one prefill at the largest context up to 4,096 and of one decode step at 4,096 and 32,768 tokens
+/// (CUDA events around each op); with `trace`, the in-kernel trace of one decode step at the first context.
+pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak_tflops: f64) -> Result<()> {
     anyhow::ensure!(!ctxs.is_empty() && repeats > 0, "bench needs at least one context and one repeat");
-    let max_ctx = ctxs.iter().max().unwrap() + 256;
-    let t0 = std::time::Instant::now();
-    let be = CudaBackend::random(c, 1, CudaOptions { max_context: max_ctx })?;
     let m = &be.model;
-    let g = m.gpu.clone();
-    println!("random model on GPU in {:.1}s; {} SMs", t0.elapsed().as_secs_f64(), g.sms);
+    let (g, c) = (m.gpu.clone(), &m.config);
+    let max_ctx = ctxs.iter().max().copied().unwrap_or(0) + DECODE_STEPS + 8;
+    anyhow::ensure!(
+        max_ctx <= be.opts.max_context,
+        "--ctx {} needs a backend with {max_ctx} tokens of context",
+        max_ctx - DECODE_STEPS - 8
+    );
+    println!("{} SMs; prefill chunk {} tokens", g.sms, m.prefill.lock().map(|p| p.chunk).unwrap_or(0));
     let mut seq = be.new_cuda_sequence()?;
-    seq.st.fill_kv(&g)?;
     let n_attn = c.layer_types.iter().filter(|k| **k == LayerKind::Full).count();
     let n_gdn = c.layer_types.len() - n_attn;
     let wbytes = m.weight_bytes_per_token();
     let gdn_state = 2 * n_gdn * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4;
-    println!("weights read per token {:.1} MB, GDN state r+w {:.1} MB", wbytes as f64 / 1e6, gdn_state as f64 / 1e6);
-    println!("{:>8} {:>10} {:>9} {:>10} {:>9} {:>6}", "ctx", "us/token", "tok/s", "MB/token", "ceil t/s", "%");
+    println!(
+        "weights read per decoded token {:.1} MB, GDN state r+w {:.1} MB",
+        wbytes as f64 / 1e6,
+        gdn_state as f64 / 1e6
+    );
+    // warm-up: buffers, modules, the decode graph
+    let warm = prompt_ids(ctxs[0].clamp(2, 512), c.vocab_size);
+    seq.st.reset(&g)?;
+    seq.st.prefill(m, &warm, false, false)?;
+    seq.st.step_graph(m)?;
+    g.stream.synchronize()?;
+    println!(
+        "{:>8} {:>9} {:>10} {:>8} {:>10} {:>6} | {:>9} {:>9} {:>9} {:>6}",
+        "ctx", "TTFT ms", "prefill/s", "TFLOP/s", "ceil t/s", "%", "us/token", "decode/s", "ceil t/s", "%"
+    );
     let fl = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-    seq.st.set_token(&g, 1)?;
-    let mut rows = Vec::new();
     for &ctx in ctxs {
-        seq.st.set_len(&g, ctx)?;
-        for _ in 0..8 {
-            seq.st.step_graph(m)?;
-        }
-        let mut times = Vec::new();
+        let prompt = prompt_ids(ctx, c.vocab_size);
+        let (mut ttft, mut dec) = (Vec::new(), Vec::new());
+        let mut last_tok = 0;
         for _ in 0..repeats {
-            seq.st.set_len(&g, ctx)?;
+            seq.st.reset(&g)?;
+            g.stream.synchronize()?;
+            let t0 = std::time::Instant::now();
+            seq.st.prefill(m, &prompt, false, false)?;
+            last_tok = g.download(&seq.st.tok)?[0];
+            ttft.push(t0.elapsed().as_secs_f64());
             let a = g.stream.record_event(fl)?;
-            for _ in 0..64 {
+            for _ in 0..DECODE_STEPS {
                 seq.st.step_graph(m)?;
             }
             let b = g.stream.record_event(fl)?;
-            times.push(a.elapsed_ms(&b)? as f64 * 1e3 / 64.0);
+            dec.push(a.elapsed_ms(&b)? as f64 * 1e3 / DECODE_STEPS as f64);
         }
-        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let us = times[times.len() / 2];
-        let kv = n_attn * (ctx + 32) * c.num_key_value_heads * c.head_dim * 2 * 2;
-        let bytes = (wbytes + gdn_state + kv) as f64;
-        let ceil = BW / bytes;
-        let tps = 1e6 / us;
-        println!("{ctx:>8} {us:>10.1} {tps:>9.1} {:>10.1} {ceil:>9.0} {:>5.1}%", bytes / 1e6, 100.0 * tps / ceil);
-        rows.push((ctx, us, times));
+        let (t, us) = (median(&mut ttft), median(&mut dec));
+        let flops = crate::prefill::prefill_flops(c, m, 0, ctx);
+        let pceil = ctx as f64 / (flops / (peak_tflops * 1e12));
+        let kv = n_attn * (ctx + DECODE_STEPS / 2) * c.num_key_value_heads * c.head_dim * 2 * 2;
+        let dceil = BW / (wbytes + gdn_state + kv) as f64;
+        let (ptps, dtps) = (ctx as f64 / t, 1e6 / us);
+        println!(
+            "{ctx:>8} {:>9.1} {ptps:>10.0} {:>8.1} {pceil:>10.0} {:>5.1}% | {us:>9.1} {dtps:>9.1} {dceil:>9.0} {:>5.1}%",
+            t * 1e3,
+            flops / t / 1e12,
+            100.0 * ptps / pceil,
+            100.0 * dtps / dceil
+        );
+        anyhow::ensure!((last_tok as usize) < c.vocab_size, "prefill's greedy token {last_tok} outside the vocabulary");
+    }
+    println!("(prefill ceiling: FLOPs / {peak_tflops:.0} TFLOP/s; decode ceiling: bytes / 4.3 TB/s)");
+    // where a prefill's time goes
+    let pctx = ctxs.iter().copied().filter(|&x| x <= 4096).max().unwrap_or(ctxs[0]);
+    seq.st.reset(&g)?;
+    let mut p = Profile::default();
+    seq.st.prefill_profiled(m, &prompt_ids(pctx, c.vocab_size), false, false, Some(&mut p))?;
+    let total: f64 = p.ops.iter().map(|o| o.1).sum();
+    println!("prefill profile ({pctx} tokens, events around each kernel family): {:.1} ms", total);
+    for (name, ms, n) in &p.ops {
+        println!("  {name:<26} {n:>5} calls {ms:>9.2} ms {:>5.1}%", 100.0 * ms / total);
     }
     if trace {
         seq.st.set_len(&g, ctxs[0])?;
@@ -69,10 +117,8 @@ pub fn bench(c: &Config, ctxs: &[usize], repeats: usize, trace: bool) -> Result<
         g.trace_enable(false)?;
         print_trace(&g.trace_read()?, c)?;
     }
-    let tok = g.download(&seq.st.tok)?;
-    println!("last greedy token {} (sanity: inside vocab {})", tok[0], (tok[0] as usize) < c.vocab_size);
     for pctx in [4096usize, 32768] {
-        if pctx >= max_ctx {
+        if pctx + 2 >= max_ctx {
             continue;
         }
         seq.st.set_len(&g, pctx)?;
@@ -81,12 +127,12 @@ pub fn bench(c: &Config, ctxs: &[usize], repeats: usize, trace: bool) -> Result<
         seq.st.set_len(&g, pctx)?;
         seq.st.step_plain(m, Some(&mut p))?;
         let total: f64 = p.ops.iter().map(|o| o.1).sum();
-        println!("profile (non-graph, ctx {pctx}): sum of kernel times {:.1} us", total * 1e3);
+        println!("decode profile (non-graph, ctx {pctx}): sum of kernel times {:.1} us", total * 1e3);
         for (name, ms, n) in &p.ops {
             println!("  {name:<14} {:>5} calls {:>9.1} us {:>5.1}%", n, ms * 1e3, 100.0 * ms / total);
         }
     }
-    kernel_times(&be, &mut seq.st, 32768.min(max_ctx - 1))?;
+    kernel_times(be, &mut seq.st, 32768.min(max_ctx - 2))?;
     Ok(())
 }
 

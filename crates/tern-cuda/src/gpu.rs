@@ -78,6 +78,12 @@ funcs! {
     attn_combine: "attention",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
+    // multi-token (prefill) kernels: see prefill.rs
+    gemm_q4_store: "gemm", gemm_q4_add: "gemm", gemm_q4_swiglu: "gemm", gemm_q4_gstore: "gemm",
+    embed_rows: "prefill", rmsnorm_rows: "prefill", router_rows: "prefill", topk_rows: "prefill",
+    moe_align: "prefill", moe_combine: "prefill", gdn_prep: "prefill", gdn_chunk_prep: "prefill",
+    gdn_chunk_scan: "prefill", gdn_gated_norm: "prefill", gdn_ring: "prefill", attn_prep_rows: "prefill",
+    flash_prefill_hd256: "flash", flash_prefill_hd128: "flash", flash_prefill_hd64: "flash",
 }
 
 /// A kernel argument as the 8-byte word the launch passes a pointer to (little-endian: 4-byte arguments are the
@@ -224,7 +230,7 @@ const TMA_MAX_STAGES: usize = 6;
 /// 16-byte units.
 pub const SB_PAD: usize = 8;
 
-fn cfg(grid: (u32, u32), block: u32, smem: usize) -> LaunchConfig {
+pub(crate) fn cfg(grid: (u32, u32), block: u32, smem: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid.0.max(1), grid.1.max(1), 1),
         block_dim: (block, 1, 1),
@@ -238,14 +244,14 @@ fn padx_len(n: usize) -> usize {
 }
 
 /// log2(gs / (128 / bits)): 16-byte chunks per quantisation group, which must be a power of two.
-fn group_shift(gs: usize, bits: u32) -> Result<i32> {
+pub(crate) fn group_shift(gs: usize, bits: u32) -> Result<i32> {
     let cpv = 128 / bits as usize;
     ensure!(gs % cpv == 0 && (gs / cpv).is_power_of_two(), "group size {gs} is not a power-of-two multiple of {cpv}");
     Ok((gs / cpv).trailing_zeros() as i32)
 }
 
 /// The null device pointer for optional kernel arguments.
-const NULL: u64 = 0;
+pub(crate) const NULL: u64 = 0;
 
 impl Gpu {
     /// Device 0 with the embedded kernels; a clear error without kernels, driver or device.
@@ -286,6 +292,12 @@ impl Gpu {
             func.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 TMA_SMEM_MAX as i32,
+            )?;
+        }
+        for func in crate::prefill::big_smem_kernels(&f) {
+            func.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                crate::prefill::SMEM_MAX as i32,
             )?;
         }
         // Every kernel prefers the largest shared-memory carveout: an SM's L1/shared split is one setting for all the

@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod gpu;
 pub mod model;
+pub mod prefill;
 pub mod seq;
 
 pub use gpu::Gpu;

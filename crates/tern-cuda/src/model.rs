@@ -10,6 +10,11 @@ use tern_model::weights::{Linear, Mixer};
 use tern_model::{Config, LayerKind, Weights};
 
 use crate::gpu::{Experts, Gpu, QMat};
+use crate::prefill::PrefillBuffers;
+
+/// Tokens one prefill pass reads at most (a longer prompt is read in chunks of this many): large enough that the
+/// GEMMs fill the chip, small enough that the buffers stay around 1 GB at the full shape.
+pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
 
 pub enum DMixer {
     Attn {
@@ -45,6 +50,8 @@ pub struct DeviceModel {
     pub lm_head: QMat,
     pub norm: cudarc::driver::CudaSlice<f32>,
     pub layers: Vec<DLayer>,
+    /// The prefill chunk length and its buffers, shared by every sequence (one prefill at a time).
+    pub prefill: std::sync::Mutex<PrefillBuffers>,
 }
 
 fn quant<'a>(l: &'a Linear, what: &str) -> Result<&'a QuantMatrix> {
@@ -175,7 +182,8 @@ impl DeviceModel {
         let norm = g.upload(&w.norm)?;
         g.stream.synchronize()?;
         progress(w.layers.len(), w.layers.len());
-        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers })
+        let prefill = PrefillBuffers::new(DEFAULT_PREFILL_CHUNK);
+        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, prefill })
     }
 
     /// The full-shape model with random 4-bit weights (8-bit router), generated on the device: codes uniform,
@@ -257,7 +265,16 @@ impl DeviceModel {
         let lm_head = qmat(c.vocab_size, h, 4, false)?;
         let norm = g.upload(&vec![1.0f32; h])?;
         g.stream.synchronize()?;
-        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers })
+        let prefill = PrefillBuffers::new(DEFAULT_PREFILL_CHUNK);
+        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, prefill })
+    }
+
+    /// Set the prefill chunk (tokens per pass; the buffers are reallocated at the next prefill if they are smaller).
+    pub fn set_prefill_chunk(&self, n: usize) -> Result<()> {
+        ensure!(n > 0, "the prefill chunk must be at least one token");
+        let mut b = self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
+        b.chunk = n;
+        Ok(())
     }
 
     /// Weight bytes one decode step reads (experts: top-k routed + shared), without KV cache and GDN state.

@@ -52,7 +52,7 @@ pub struct Profile {
 }
 
 impl Profile {
-    fn add(&mut self, name: &str, ms: f64) {
+    pub fn add(&mut self, name: &str, ms: f64) {
         match self.ops.iter_mut().find(|o| o.0 == name) {
             Some(o) => {
                 o.1 += ms;
@@ -303,11 +303,20 @@ impl DeviceState {
 pub struct CudaOptions {
     /// KV-cache capacity of each sequence, in tokens.
     pub max_context: usize,
+    /// Tokens one prefill pass reads at most (longer reads go in chunks of this many).
+    pub prefill_chunk: usize,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { max_context: 8192 }
+        CudaOptions { max_context: 8192, prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK }
+    }
+}
+
+impl CudaOptions {
+    /// `max_context` tokens per sequence, the default prefill chunk.
+    pub fn with_context(max_context: usize) -> CudaOptions {
+        CudaOptions { max_context, ..CudaOptions::default() }
     }
 }
 
@@ -329,13 +338,17 @@ impl CudaBackend {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaBackend> {
         let gpu = Gpu::new()?;
-        Ok(CudaBackend { model: Arc::new(DeviceModel::upload_with_progress(gpu, w, progress)?), opts })
+        let model = DeviceModel::upload_with_progress(gpu, w, progress)?;
+        model.set_prefill_chunk(opts.prefill_chunk)?;
+        Ok(CudaBackend { model: Arc::new(model), opts })
     }
 
     /// The full-shape model with random weights generated on the GPU (benchmarks; no disk).
     pub fn random(config: &Config, seed: u64, opts: CudaOptions) -> Result<CudaBackend> {
         let gpu = Gpu::new()?;
-        Ok(CudaBackend { model: Arc::new(DeviceModel::random(gpu, config, seed)?), opts })
+        let model = DeviceModel::random(gpu, config, seed)?;
+        model.set_prefill_chunk(opts.prefill_chunk)?;
+        Ok(CudaBackend { model: Arc::new(model), opts })
     }
 
     pub fn new_cuda_sequence(&self) -> Result<CudaSequence> {
@@ -353,7 +366,8 @@ pub struct CudaSequence {
 unsafe impl Send for CudaSequence {}
 
 impl CudaSequence {
-    /// Read `ids`: one graph step each (token id checked against the vocabulary first).
+    /// Read `ids` (checked against the vocabulary first): one token through the decode graph, several through
+    /// the multi-token prefill kernels (never the decode graph once per prompt token).
     fn read(&mut self, ids: &[u32]) -> Result<()> {
         let g = &self.model.gpu;
         let vocab = self.model.config.vocab_size;
@@ -361,9 +375,11 @@ impl CudaSequence {
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
             anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
         }
-        for &id in ids {
-            self.st.set_token(g, id)?;
+        if let [id] = ids {
+            self.st.set_token(g, *id)?;
             self.st.step_graph(&self.model)?;
+        } else {
+            self.st.prefill(&self.model, ids, false, false)?;
         }
         Ok(())
     }

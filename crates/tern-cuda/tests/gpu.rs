@@ -2,38 +2,14 @@
 //! pass on the same 4-bit weights. Without a CUDA device each test prints `NO GPU: <name> not run (no CUDA device)`
 //! and passes; `TERN_REQUIRE_CUDA=1` turns that into a failure.
 
-use tern_cuda::gpu::QMat;
 use tern_cuda::seq::CudaOptions;
-use tern_cuda::{gpu_or_skip, CudaBackend, Gpu};
+use tern_cuda::{gpu_or_skip, CudaBackend};
 use tern_model::forward::rms_norm;
-use tern_model::mlx::{HfValues, QuantSpec};
 use tern_model::quant::QuantMatrix;
-use tern_model::safetensors::Checkpoint;
-use tern_model::testutil::fixtures_dir;
-use tern_model::{Logits, State, Weights};
+use tern_model::{Logits, State};
 
-struct Rng(u64);
-impl Rng {
-    fn f(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
-    }
-}
-
-fn to_dev(g: &Gpu, m: &QuantMatrix) -> QMat {
-    tern_cuda::model::stack(g, &[m], "test matrix").unwrap()
-}
-
-/// max |a-b| / max |b|
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let d = a.iter().zip(b).fold(0.0f32, |m, (x, y)| if x.is_nan() { f32::INFINITY } else { m.max((x - y).abs()) });
-    d / scale
-}
+mod common;
+use common::*;
 
 #[test]
 fn gemv_matches_cpu_quant_kernels() {
@@ -54,16 +30,16 @@ fn gemv_matches_cpu_quant_kernels() {
         // 4-bit with a 128-column group, rows not a multiple of the stage
         (1000, 2048, 4, 128),
     ] {
-        let w = rng.vec(rows * cols);
+        let w = rng.vec(rows * cols, 1.0);
         let q = QuantMatrix::quantize_grouped(&w, rows, cols, bits, gs).unwrap();
         let dm = to_dev(&g, &q);
-        let mut x = rng.vec(cols);
+        let mut x = rng.vec(cols, 1.0);
         if rows == 1000 {
             // a few entries 1000x the rest
             x.iter_mut().step_by(97).for_each(|v| *v *= 1000.0);
         }
-        let gain: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let y0 = rng.vec(rows);
+        let gain: Vec<f32> = rng.vec(cols, 1.0).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let y0 = rng.vec(rows, 1.0);
         let (dx, dgain) = (g.upload(&x).unwrap(), g.upload(&gain).unwrap());
         // plain
         let mut want = vec![0.0; rows];
@@ -87,20 +63,12 @@ fn gemv_matches_cpu_quant_kernels() {
     }
 }
 
-fn tiny_b_q4() -> Weights {
-    let dir = fixtures_dir().join("tiny-b");
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let config = tern_model::Config::from_dir(&dir).unwrap();
-    let spec = QuantSpec::recipe(&config, 4, 32);
-    Weights::from_values(config, &HfValues::new(&ckpt).unwrap(), Some(&spec)).unwrap()
-}
-
 #[test]
 fn decode_step_matches_cpu_forward_on_tiny_b() {
     let Some(_g) = gpu_or_skip("decode_step_matches_cpu_forward_on_tiny_b") else { return };
     let w = tiny_b_q4();
     let v = w.config.vocab_size;
-    let be = CudaBackend::new(&w, CudaOptions { max_context: 600 }).unwrap();
+    let be = CudaBackend::new(&w, CudaOptions::with_context(600)).unwrap();
     let mut seq = be.new_cuda_sequence().unwrap();
     let mut st = State::new(&w.config);
     // Expert choices held equal: the CPU takes the GPU's routing of every layer and step (near-tied router
@@ -158,7 +126,7 @@ fn forward_argmax_matches_host_argmax_of_the_logits() {
     let Some(_g) = gpu_or_skip("forward_argmax_matches_host_argmax_of_the_logits") else { return };
     let w = tiny_b_q4();
     let v = w.config.vocab_size;
-    let be = CudaBackend::new(&w, CudaOptions { max_context: 128 }).unwrap();
+    let be = CudaBackend::new(&w, CudaOptions::with_context(128)).unwrap();
     let (mut a, mut b) = (be.new_cuda_sequence().unwrap(), be.new_cuda_sequence().unwrap());
     let am = |x: &[f32]| x.iter().enumerate().fold(0, |m, (i, &y)| if y > x[m] { i } else { m }) as u32;
     let prompt: Vec<u32> = (0..9u32).map(|i| (i * 37 + 5) % v as u32).collect();

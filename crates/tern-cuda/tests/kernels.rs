@@ -9,88 +9,24 @@
 //! Without a CUDA device each test prints `NO GPU: <name> not run ...` and passes; `TERN_REQUIRE_CUDA=1` turns
 //! that into a failure.
 
-use std::sync::Arc;
-
 use cudarc::driver::CudaSlice;
-use tern_cuda::gpu::QMat;
-use tern_cuda::model::{DMixer, DeviceModel};
+use tern_cuda::model::DMixer;
 use tern_cuda::seq::{CudaOptions, CudaSequence};
 use tern_cuda::{gpu_or_skip, CudaBackend, Gpu};
 use tern_model::forward::{attention_core, delta_net_core, moe, rms_norm, route};
-use tern_model::mlx::{HfValues, QuantSpec};
+use tern_model::mlx::QuantSpec;
 use tern_model::quant::QuantMatrix;
 use tern_model::random::RandomValues;
-use tern_model::safetensors::{Checkpoint, SafeTensors};
+use tern_model::safetensors::SafeTensors;
 use tern_model::testutil::fixtures_dir;
 use tern_model::weights::Mixer;
 use tern_model::{Config, LayerKind, Logits, State, Weights};
 
-struct Rng(u64);
-impl Rng {
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, amp: f32) -> Vec<f32> {
-        (0..n).map(|_| amp * self.f()).collect()
-    }
-}
-
-/// max |a-b| / max |b| (NaN in `a` counts as infinite).
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let d = a.iter().zip(b).fold(0.0f32, |m, (x, y)| if x.is_nan() { f32::INFINITY } else { m.max((x - y).abs()) });
-    d / scale
-}
-
-fn argmax(x: &[f32]) -> usize {
-    x.iter().enumerate().fold(0, |b, (i, &v)| if v > x[b] { i } else { b })
-}
-
-fn bf16_to_f32(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
-
-fn to_dev(g: &Gpu, m: &QuantMatrix) -> QMat {
-    tern_cuda::model::stack(g, &[m], "test matrix").unwrap()
-}
+mod common;
+use common::*;
 
 fn set_pos(g: &Gpu, pos: &mut CudaSlice<i32>, p: usize) {
     g.stream.memcpy_htod(&[p as i32], pos).unwrap();
-}
-
-/// Qwen3.6-35B-A3B's shapes (40 layers, 256 experts, vocab 248320), from the tiny-b config with every size set.
-fn full_config() -> Config {
-    let mut c = Config::from_dir(&fixtures_dir().join("tiny-b")).unwrap();
-    c.hidden_size = 2048;
-    c.layer_types = (0..40).map(|i| if i % 4 == 3 { LayerKind::Full } else { LayerKind::Linear }).collect();
-    c.vocab_size = 248320;
-    (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim) = (16, 2, 256, 64);
-    c.rope_theta = 1e7;
-    (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim) =
-        (16, 32, 128, 128);
-    c.linear_conv_kernel_dim = 4;
-    (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) =
-        (256, 8, 512, 512);
-    c
-}
-
-/// A one-layer model of `c`'s shapes with `kind` and small expert/vocab sizes unless given, random 4-bit
-/// weights (8-bit router), on the CPU and uploaded.
-fn one_layer(g: &Arc<Gpu>, mut c: Config, kind: LayerKind, seed: u64) -> (Weights, DeviceModel) {
-    c.layer_types = vec![kind];
-    let gs = if c.hidden_size % 64 == 0 { 64 } else { 32 };
-    let w = Weights::from_values(c.clone(), &RandomValues { seed }, Some(&QuantSpec::recipe(&c, 4, gs))).unwrap();
-    let dm = DeviceModel::upload(g.clone(), &w).unwrap();
-    (w, dm)
-}
-
-fn small_moe(mut c: Config) -> Config {
-    c.vocab_size = 256;
-    (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) = (8, 2, 64, 64);
-    c
 }
 
 /// GDN core over consecutive steps: conv-ring update + SiLU + l2norm + gates + delta rule (f32 state) + the gated
@@ -413,14 +349,6 @@ fn argmax_matches_cpu() {
 // ---------------------------------------------------------------------------------------------------------
 // Whole decode step with expert choices held equal.
 
-fn tiny_b_q4() -> Weights {
-    let dir = fixtures_dir().join("tiny-b");
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let config = Config::from_dir(&dir).unwrap();
-    let spec = QuantSpec::recipe(&config, 4, 32);
-    Weights::from_values(config, &HfValues::new(&ckpt).unwrap(), Some(&spec)).unwrap()
-}
-
 /// Per step: logits distance of the held CPU run, of a free-running CPU run, the CPU's top1-top2 gap relative
 /// to its logit range, argmaxes, and the layers whose CPU top-k differs from the GPU's (with the CPU's
 /// probability margin at the k-th place).
@@ -477,12 +405,6 @@ fn run_held(w: &Weights, seq: &mut CudaSequence, ids: &[u32]) -> Vec<Step> {
     out
 }
 
-fn pct(v: &[f32], q: f32) -> f32 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    s[((s.len() - 1) as f32 * q).round() as usize]
-}
-
 fn summarize(name: &str, steps: &[Step]) -> (f32, f32, f32) {
     let held: Vec<f32> = steps.iter().map(|s| s.held).collect();
     let free: Vec<f32> = steps.iter().map(|s| s.free).collect();
@@ -515,13 +437,6 @@ fn summarize(name: &str, steps: &[Step]) -> (f32, f32, f32) {
     (hm, hp, hx)
 }
 
-fn yardstick() -> (f32, f32) {
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("tiny-b/meta.json")).unwrap()).unwrap();
-    let b = &meta["bf16_vs_f32_prefill"];
-    (b["median"].as_f64().unwrap() as f32, b["max"].as_f64().unwrap() as f32)
-}
-
 /// The fixture's own token ids (transformers' run), decoded one at a time on the GPU vs the CPU holding the
 /// GPU's routing: the distance must not exceed transformers' own bf16-vs-f32 distance on the same model.
 #[test]
@@ -531,7 +446,7 @@ fn decode_within_transformers_bf16_yardstick_tiny_b() {
     let dir = fixtures_dir().join("tiny-b");
     let st = SafeTensors::open(&dir.join("expected.safetensors")).unwrap();
     let ids: Vec<u32> = st.get("ids").unwrap().to_f32().unwrap().into_iter().map(|v| v as u32).collect();
-    let be = CudaBackend::new(&w, CudaOptions { max_context: 128 }).unwrap();
+    let be = CudaBackend::new(&w, CudaOptions::with_context(128)).unwrap();
     let mut seq = be.new_cuda_sequence().unwrap();
     let steps = run_held(&w, &mut seq, &ids);
     let (hm, _, hx) = summarize("tiny-b fixture ids", &steps);
@@ -546,7 +461,7 @@ fn decode_step_held_routing_tiny_b_520() {
     let Some(_g) = gpu_or_skip("decode_step_held_routing_tiny_b_520") else { return };
     let w = tiny_b_q4();
     let v = w.config.vocab_size;
-    let be = CudaBackend::new(&w, CudaOptions { max_context: 600 }).unwrap();
+    let be = CudaBackend::new(&w, CudaOptions::with_context(600)).unwrap();
     let mut seq = be.new_cuda_sequence().unwrap();
     let ids: Vec<u32> = (0..520u64).map(|i| ((i * 2654435761 + 17) % v as u64) as u32).collect();
     let steps = run_held(&w, &mut seq, &ids);
@@ -568,7 +483,7 @@ fn full_shape_random_q4_vs_cpu() {
     let t0 = std::time::Instant::now();
     let w = Weights::from_values(c.clone(), &RandomValues { seed: 7 }, Some(&QuantSpec::q4(&c))).unwrap();
     println!("full shape: weights generated in {:.0?}", t0.elapsed());
-    let be = CudaBackend::new(&w, CudaOptions { max_context: n + 8 }).unwrap();
+    let be = CudaBackend::new(&w, CudaOptions::with_context(n + 8)).unwrap();
     let mut seq = be.new_cuda_sequence().unwrap();
     let ids: Vec<u32> = (0..n as u64).map(|i| ((i * 2654435761 + 17) % c.vocab_size as u64) as u32).collect();
     let steps = run_held(&w, &mut seq, &ids);

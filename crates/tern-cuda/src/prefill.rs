@@ -1,0 +1,969 @@
+//! Prefill on the GPU: a prompt chunk of N tokens of one sequence through every layer in one pass of kernels per
+//! layer (crates/tern-kernels/cuda/{gemm,prefill,flash}.cu), continuing from the state the sequence holds (KV cache
+//! rows, GDN conv ring and f32 recurrent state) and leaving it as N single decode steps would (within the dtypes'
+//! tolerance), with the logits of the last position (and, when asked, of every position).
+//!
+//! Per layer (N tokens):
+//! - GDN: rmsnorm_rows → gemm_q4 (in_proj, 12,352 rows) → gdn_prep (conv + SiLU + l2-norms + gates) →
+//!   gdn_chunk_prep (chunks of 64: UT transform) → gdn_chunk_scan (state across chunks) → gdn_ring (conv inputs for
+//!   the next step) → gdn_gated_norm → gemm_q4 (out_proj, + residual).
+//! - Attention: rmsnorm_rows → gemm_q4 (q|gate, k, v) → attn_prep_rows (norms, RoPE, K/V into the cache) →
+//!   flash_prefill (causal over the cache, output gate) → gemm_q4 (o_proj, + residual).
+//! - MoE: rmsnorm_rows (bf16 + f32) → router_rows (f32, as decode) → topk_rows → moe_align (pairs sorted by
+//!   expert, tiles) → gemm_q4_swiglu (grouped gate|up) → gemm_q4_gstore (grouped down) → moe_combine (+ residual).
+//!
+//! Then the last row goes through the decode step's own final norm + lm_head GEMV + argmax, so `logits`, `tok` and
+//! the position counter are what the decode graph expects next.
+//!
+//! Activations are f32 except GEMM inputs (bf16); weights stay 4-bit. Every launch goes through a safe wrapper
+//! below that checks the shapes and buffer lengths it is given. Scratch buffers are sized once for the largest
+//! chunk (`CudaOptions::prefill_chunk`) and shared by every sequence of the backend (one prefill at a time).
+
+use std::sync::Mutex;
+
+use anyhow::{bail, ensure, Context, Result};
+use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice};
+use tern_model::{Config, LayerKind};
+
+use crate::gpu::{cfg, Experts, Funcs, Gpu, QMat, NULL};
+use crate::model::{DMixer, DeviceModel};
+use crate::seq::{DeviceState, LState, Profile};
+
+/// Dynamic shared memory limit set on the prefill kernels that need more than 48 KB (the per-block opt-in limit,
+/// 227 KB on Hopper, minus room for the kernels' static shared memory).
+pub const SMEM_MAX: usize = 200 * 1024;
+/// Chunk length of the chunked Gated DeltaNet (GC in prefill.cu).
+const GDN_CHUNK: usize = 64;
+/// Token tile of the grouped MoE GEMMs (BN of gemm_q4_swiglu / gemm_q4_gstore).
+const MOE_TILE: usize = 64;
+/// Shared memory of the GEMM instantiations (GemmCfg in gemm.cu; static_asserts there).
+const GEMM_DENSE_SMEM: usize = 3 * (4096 + 128 * 144) + 2 * 128 * 144;
+const GEMM_GROUPED_SMEM: usize = 4 * (4096 + 64 * 144) + 2 * 128 * 144;
+
+pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
+    vec![
+        &f.gemm_q4_store,
+        &f.gemm_q4_add,
+        &f.gemm_q4_swiglu,
+        &f.gemm_q4_gstore,
+        &f.gdn_chunk_prep,
+        &f.gdn_chunk_scan,
+        &f.flash_prefill_hd256,
+        &f.flash_prefill_hd128,
+        &f.flash_prefill_hd64,
+    ]
+}
+
+fn log2_exact(v: usize, what: &str) -> Result<i32> {
+    ensure!(v.is_power_of_two(), "{what} {v} is not a power of two");
+    Ok(v.trailing_zeros() as i32)
+}
+
+/// Upper bound of the grouped GEMMs' tiles for `n` tokens: every expert's pairs rounded up to the tile.
+pub fn max_moe_tiles(n: usize, k: usize, experts: usize) -> usize {
+    (n * (k + 1)).div_ceil(MOE_TILE) + experts + 1
+}
+
+/// Dimensions of a Gated DeltaNet layer: (key heads, value heads, key dim, value dim, conv taps).
+#[derive(Clone, Copy, Debug)]
+pub struct GdnDims {
+    pub hk: usize,
+    pub hv: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub taps: usize,
+}
+
+impl GdnDims {
+    pub fn of(c: &Config) -> GdnDims {
+        GdnDims {
+            hk: c.linear_num_key_heads,
+            hv: c.linear_num_value_heads,
+            dk: c.linear_key_head_dim,
+            dv: c.linear_value_head_dim,
+            taps: c.linear_conv_kernel_dim,
+        }
+    }
+    pub fn conv_dim(&self) -> usize {
+        2 * self.hk * self.dk + self.hv * self.dv
+    }
+    fn check(&self) -> Result<()> {
+        let d = self;
+        ensure!(
+            d.hk > 0 && d.hv % d.hk == 0 && d.dk <= 128 && d.dv <= 128 && d.dk % 4 == 0 && d.dv > 0 && d.taps >= 1,
+            "gdn: needs value heads a multiple of key heads, key/value head dims <= 128 (key dim % 4 == 0): {d:?}"
+        );
+        Ok(())
+    }
+    /// Scratch floats of the chunked kernels for `n` tokens: (U, W, P, G).
+    fn chunk_sizes(&self, n: usize) -> (usize, usize, usize, usize) {
+        let ch = n.div_ceil(GDN_CHUNK) * self.hv * GDN_CHUNK;
+        (ch * self.dv, ch * self.dk, ch * GDN_CHUNK, ch)
+    }
+}
+
+impl Gpu {
+    /// `y[n, r] = Σ_k x[n, k] W[r, k]` (or `+=` when `add`) for `n` token rows of bf16 `x` (`[n, W.cols]`), `y`
+    /// f32 with row stride `ldy` ≥ W.rows. W 4-bit, cols a multiple of 32, group size a power of two ≥ 32.
+    pub fn gemm_q4(
+        &self,
+        m: &QMat,
+        x: &CudaSlice<u16>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+        ldy: usize,
+        add: bool,
+    ) -> Result<()> {
+        ensure!(m.bits == 4, "gemm_q4: {}-bit weights (the prefill GEMM takes 4-bit only)", m.bits);
+        ensure!(
+            m.cols % 32 == 0 && m.gs >= 32,
+            "gemm_q4: cols {} / group size {} (need multiples of 32)",
+            m.cols,
+            m.gs
+        );
+        ensure!(n > 0 && x.len() >= n * m.cols, "gemm_q4: x holds {} values, {n} rows of {} needed", x.len(), m.cols);
+        ensure!(
+            ldy >= m.rows && y.len() >= (n - 1) * ldy + m.rows,
+            "gemm_q4: y too short for {n} rows of stride {ldy}"
+        );
+        ensure!(n.div_ceil(128) <= 65535, "gemm_q4: {n} rows is over the grid limit");
+        let glog = log2_exact(m.gs, "gemm_q4: group size")?;
+        let f = if add { &self.f.gemm_q4_add } else { &self.f.gemm_q4_store };
+        let (z64, z32) = (0i64, 0i32);
+        let (r, k, ni, ld) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32);
+        let mut l = self.launcher(f);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&z64).arg(&z64).arg(&r).arg(&k).arg(&glog).arg(&z32).arg(&z32).arg(&z32);
+        l.arg(x).arg(&k).arg(&ni).arg(&NULL).arg(&NULL).arg(&NULL).arg(&*y).arg(&ld);
+        // SAFETY: matches gemm_q4_store/_add (GEMM_Q4 in gemm.cu); x holds n rows of cols bf16, y n rows of stride
+        // ldy >= rows (checked above); W is a whole QMat (rows x cols/8 words, rows x cols/gs scales/biases); rows and
+        // tokens past the ends are zero-filled and never stored; shared memory as GemmCfg<128, *, 3>.
+        unsafe { l.launch(cfg((m.rows.div_ceil(128) as u32, n.div_ceil(128) as u32), 256, GEMM_DENSE_SMEM)) }?;
+        Ok(())
+    }
+
+    /// Grouped gate|up + SwiGLU over the expert-sorted pairs of [`Gpu::moe_align`]: `act[p, j] = bf16(silu(G_e[j] ·
+    /// x[rowmap[p]]) · (U_e[j] · x[rowmap[p]]))`, act `[pairs, max(I, Is)]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_rows(
+        &self,
+        gu: &Experts,
+        n_experts: usize,
+        (i, is): (usize, usize),
+        h: usize,
+        x: &CudaSlice<u16>,
+        n: usize,
+        k: usize,
+        sorted: &MoeSorted,
+        act: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let imax = i.max(is);
+        let pairs = n * (k + 1);
+        ensure!(h % 32 == 0 && gu.gs >= 32 && i % 8 == 0 && is % 8 == 0, "moe_gate_up_rows: sizes {h}/{i}/{is}");
+        ensure!(x.len() >= n * h && act.len() >= pairs * imax, "moe_gate_up_rows: buffers");
+        ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_rows: expert buffer too short");
+        ensure!(
+            sorted.n == n && sorted.k == k && sorted.experts == n_experts,
+            "moe_gate_up_rows: align of another shape"
+        );
+        let glog = log2_exact(gu.gs, "moe_gate_up_rows: group size")?;
+        let (words, groups) = (gu.words as i64, gu.groups as i64);
+        let (hi, ii, isi, ei, ni, ld) = (h as i32, i as i32, is as i32, n_experts as i32, n as i32, imax as i32);
+        let mut l = self.launcher(&self.f.gemm_q4_swiglu);
+        l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&hi).arg(&hi).arg(&glog).arg(&ii).arg(&isi);
+        l.arg(&ei)
+            .arg(x)
+            .arg(&hi)
+            .arg(&ni)
+            .arg(&sorted.ntile)
+            .arg(&sorted.tiles)
+            .arg(&sorted.rowmap)
+            .arg(&*act)
+            .arg(&ld);
+        let grid = (imax.div_ceil(64) as u32, sorted.max_tiles as u32);
+        // SAFETY: matches gemm_q4_swiglu (gemm.cu); the tiles come from moe_align over the same n, k and experts
+        // (checked above): expert ids <= n_experts (the shared one last, inside the buffer), pairs < n*(k+1) rows of act,
+        // rowmap entries < n rows of x; blocks past *ntile exit; shared memory as GemmCfg<64, GE_SWIGLU, 4>.
+        unsafe { l.launch(cfg(grid, 256, GEMM_GROUPED_SMEM)) }?;
+        Ok(())
+    }
+
+    /// Grouped down projection: `ybuf[p, r] = D_e[r] · act[p]` (f32 `[pairs, h]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_rows(
+        &self,
+        down: &Experts,
+        n_experts: usize,
+        (i, is): (usize, usize),
+        h: usize,
+        act: &CudaSlice<u16>,
+        sorted: &MoeSorted,
+        ybuf: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let imax = i.max(is);
+        let pairs = sorted.n * (sorted.k + 1);
+        ensure!(i % 32 == 0 && is % 32 == 0 && down.gs >= 32, "moe_down_rows: inner sizes {i}/{is} (need % 32)");
+        ensure!(act.len() >= pairs * imax && ybuf.len() >= pairs * h, "moe_down_rows: buffers");
+        ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_rows: expert buffer too short");
+        ensure!(sorted.experts == n_experts, "moe_down_rows: align of another shape");
+        let glog = log2_exact(down.gs, "moe_down_rows: group size")?;
+        let (words, groups) = (down.words as i64, down.groups as i64);
+        let (hi, ii, isi, ei, ld, np) = (h as i32, i as i32, is as i32, n_experts as i32, imax as i32, pairs as i32);
+        let mut l = self.launcher(&self.f.gemm_q4_gstore);
+        l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&hi).arg(&ii).arg(&glog).arg(&ii);
+        l.arg(&isi).arg(&ei).arg(act).arg(&ld).arg(&np).arg(&sorted.ntile).arg(&sorted.tiles).arg(&NULL).arg(&*ybuf);
+        l.arg(&hi);
+        let grid = (h.div_ceil(128) as u32, sorted.max_tiles as u32);
+        // SAFETY: matches gemm_q4_gstore (gemm.cu); tiles from moe_align (see moe_gate_up_rows): pairs < rows of act
+        // and ybuf, expert ids inside the buffer; K per expert = its inner size (<= imax = act's row stride).
+        unsafe { l.launch(cfg(grid, 256, GEMM_GROUPED_SMEM)) }?;
+        Ok(())
+    }
+
+    /// `x[r] = dequant(embed[ids[r]])` for the host ids (checked against the table, uploaded into `dev_ids`).
+    pub fn embed_rows(
+        &self,
+        m: &QMat,
+        ids: &[u32],
+        dev_ids: &mut CudaSlice<i32>,
+        x: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(m.bits == 4 && m.cols % 8 == 0, "embed_rows: {}-bit / {} cols", m.bits, m.cols);
+        ensure!(!ids.is_empty() && dev_ids.len() >= ids.len() && x.len() >= ids.len() * m.cols, "embed_rows: buffers");
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= m.rows) {
+            bail!("token id {bad} is outside the vocabulary (size {})", m.rows);
+        }
+        let glog = log2_exact(m.gs, "embed_rows: group size")?;
+        let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        self.stream.memcpy_htod(&v, &mut dev_ids.slice_mut(..v.len()))?;
+        let cols = m.cols as i32;
+        let mut l = self.launcher(&self.f.embed_rows);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&cols).arg(&glog).arg(&*dev_ids).arg(&*x);
+        // SAFETY: matches embed_rows (prefill.cu); every id < rows (checked), x holds ids.len() rows.
+        unsafe { l.launch(cfg((ids.len() as u32, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// `xb[r] = bf16(RMSNorm(x[r]) * gain)` (and the f32 values into `xn`) for `n` rows of `h`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+        gain: &CudaSlice<f32>,
+        eps: f32,
+        xb: &mut CudaSlice<u16>,
+        xn: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        let h = gain.len();
+        ensure!(h <= 4096 && n > 0, "rmsnorm_rows: {n} rows of {h} (at most 4096 columns)");
+        ensure!(x.len() >= n * h && xb.len() >= n * h, "rmsnorm_rows: buffers");
+        ensure!(xn.as_ref().is_none_or(|v| v.len() >= n * h), "rmsnorm_rows: f32 output too short");
+        let hi = h as i32;
+        let mut l = self.launcher(&self.f.rmsnorm_rows);
+        l.arg(x).arg(gain).arg(&eps).arg(&hi).arg(&*xb);
+        match xn {
+            Some(v) => l.arg(&*v),
+            None => l.arg(&NULL),
+        };
+        // SAFETY: matches rmsnorm_rows (prefill.cu): 256 threads x 16 columns cover h <= 4096; buffers checked.
+        unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Router logits `[n, rows]` (f32 SIMT, exact dequantisation) of f32 `xn` `[n, cols]`.
+    pub fn router_rows(&self, m: &QMat, xn: &CudaSlice<f32>, n: usize, logits: &mut CudaSlice<f32>) -> Result<()> {
+        ensure!(m.bits == 4 || m.bits == 8, "router_rows: {}-bit", m.bits);
+        ensure!(m.cols % (32 / m.bits as usize) == 0, "router_rows: cols {}", m.cols);
+        ensure!(n > 0 && xn.len() >= n * m.cols && logits.len() >= n * m.rows, "router_rows: buffers");
+        let glog = log2_exact(m.gs, "router_rows: group size")?;
+        let (r, c, b, ni) = (m.rows as i32, m.cols as i32, m.bits as i32, n as i32);
+        let mut l = self.launcher(&self.f.router_rows);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(&b).arg(&glog).arg(xn).arg(&ni).arg(&*logits);
+        // SAFETY: matches router_rows (prefill.cu); every load is bounds-checked against rows/cols/n in the kernel;
+        // buffers checked above.
+        unsafe { l.launch(cfg((m.rows.div_ceil(64) as u32, n.div_ceil(64) as u32), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Per row: softmax over `e` logits, top-`k`, renormalised; slot k = the shared expert (id e, weight sigmoid
+    /// of logit e). `logits` `[n, e + 1]`, idx/wts `[n, k + 1]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_rows(
+        &self,
+        logits: &CudaSlice<f32>,
+        e: usize,
+        k: usize,
+        n: usize,
+        idx: &mut CudaSlice<i32>,
+        wts: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(e <= 256 && (1..=e.min(32)).contains(&k) && n > 0, "topk_rows: {e} experts, top-{k}");
+        ensure!(
+            logits.len() >= n * (e + 1) && idx.len() >= n * (k + 1) && wts.len() >= n * (k + 1),
+            "topk_rows: buffers"
+        );
+        let (ei, ki, ni) = (e as i32, k as i32, n as i32);
+        let mut l = self.launcher(&self.f.topk_rows);
+        l.arg(logits).arg(&ei).arg(&ki).arg(&ni).arg(&*idx).arg(&*wts);
+        // SAFETY: matches topk_rows (prefill.cu): one warp per row, 8 per block, rows < n; buffers checked.
+        unsafe { l.launch(cfg((n.div_ceil(8) as u32, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Sort the `n * k` routed (token, slot) pairs of `idx` (written by [`Gpu::topk_rows`]) by expert, append the
+    /// shared expert's `n` pairs, and build the grouped GEMMs' tile list.
+    pub fn moe_align(
+        &self,
+        idx: &CudaSlice<i32>,
+        n: usize,
+        k: usize,
+        experts: usize,
+        out: &mut MoeSorted,
+    ) -> Result<()> {
+        ensure!(experts < 1024 && n > 0 && k >= 1, "moe_align: {experts} experts, k {k}");
+        ensure!(idx.len() >= n * (k + 1), "moe_align: idx");
+        let tiles = max_moe_tiles(n, k, experts);
+        ensure!(
+            out.rowmap.len() >= n * (k + 1) && out.pos.len() >= n * (k + 1) && out.tiles.len() >= 3 * tiles,
+            "moe_align: outputs sized for fewer tokens"
+        );
+        ensure!(tiles <= 65535, "moe_align: {tiles} tiles over the grid limit");
+        let (ni, ki, ei, bn) = (n as i32, k as i32, experts as i32, MOE_TILE as i32);
+        let mut l = self.launcher(&self.f.moe_align);
+        l.arg(idx).arg(&ni).arg(&ki).arg(&ei).arg(&bn).arg(&out.rowmap).arg(&out.pos).arg(&out.ntile).arg(&out.tiles);
+        // SAFETY: matches moe_align (prefill.cu), one block of 1024 threads, experts + 1 <= 1024 counters in shared
+        // memory; idx holds expert ids < experts for the first k slots of every row (topk_rows writes them); the
+        // tile list fits max_moe_tiles (checked).
+        unsafe { l.launch(cfg((1, 1), 1024, 0)) }?;
+        out.n = n;
+        out.k = k;
+        out.experts = experts;
+        out.max_tiles = tiles;
+        Ok(())
+    }
+
+    /// `x[t] += Σ_s wts[t, s] · ybuf[pos[t, s]]` over the k routed slots and the shared one.
+    pub fn moe_combine(
+        &self,
+        ybuf: &CudaSlice<f32>,
+        sorted: &MoeSorted,
+        wts: &CudaSlice<f32>,
+        h: usize,
+        x: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (n, k) = (sorted.n, sorted.k);
+        ensure!(ybuf.len() >= n * (k + 1) * h && wts.len() >= n * (k + 1) && x.len() >= n * h, "moe_combine: buffers");
+        let (ki, hi) = (k as i32, h as i32);
+        let mut l = self.launcher(&self.f.moe_combine);
+        l.arg(ybuf).arg(&sorted.pos).arg(wts).arg(&ki).arg(&hi).arg(&*x);
+        // SAFETY: matches moe_combine (prefill.cu); pos entries < n*(k+1) rows of ybuf (moe_align over n, k).
+        unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Conv + SiLU + l2-norms + gates of a GDN layer for `n` tokens at positions `pos0..`: from `proj` (`[n, ldp]`:
+    /// qkv | z | b | a) and the ring of earlier conv inputs to `qkv` `[n, conv_dim]`, `beta`/`gl` `[n, hv]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_prep(
+        &self,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        ring: &CudaSlice<f32>,
+        conv_w: &CudaSlice<f32>,
+        a_log: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        d: GdnDims,
+        pos0: usize,
+        n: usize,
+        qkv: &mut CudaSlice<f32>,
+        beta: &mut CudaSlice<f32>,
+        gl: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        d.check()?;
+        let cd = d.conv_dim();
+        ensure!(
+            n > 0 && ldp >= cd + d.hv * d.dv + 2 * d.hv && proj.len() >= (n - 1) * ldp + cd + d.hv * d.dv + 2 * d.hv,
+            "gdn_prep: proj"
+        );
+        ensure!(ring.len() >= d.taps * cd && conv_w.len() >= cd * d.taps, "gdn_prep: ring / conv weights");
+        ensure!(a_log.len() >= d.hv && dt_bias.len() >= d.hv && d.hv <= 256, "gdn_prep: gate vectors");
+        ensure!(qkv.len() >= n * cd && beta.len() >= n * d.hv && gl.len() >= n * d.hv, "gdn_prep: outputs");
+        let v = [ldp, d.hk, d.hv, d.dk, d.dv, d.taps, pos0].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.gdn_prep);
+        l.arg(proj).arg(&v[0]).arg(ring).arg(conv_w).arg(a_log).arg(dt_bias).arg(&v[1]).arg(&v[2]).arg(&v[3]);
+        l.arg(&v[4]).arg(&v[5]).arg(&v[6]).arg(&*qkv).arg(&*beta).arg(&*gl);
+        // SAFETY: matches gdn_prep (prefill.cu); one block per token, buffers checked above (dk <= 128: 4 channels per
+        // lane; hv <= 256 threads for the gates).
+        unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Chunked delta rule, phase 1: U, W, P, G of every chunk of 64 tokens and value head.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_chunk_prep(
+        &self,
+        qkv: &CudaSlice<f32>,
+        beta: &CudaSlice<f32>,
+        gl: &CudaSlice<f32>,
+        n: usize,
+        d: GdnDims,
+        sc: &mut GdnChunkScratch,
+    ) -> Result<()> {
+        d.check()?;
+        ensure!(d.dk + d.dv <= 256, "gdn_chunk_prep: key + value head dims over 256");
+        ensure!(
+            n > 0 && qkv.len() >= n * d.conv_dim() && beta.len() >= n * d.hv && gl.len() >= n * d.hv,
+            "gdn_chunk_prep: inputs"
+        );
+        let (u, w, p, g) = d.chunk_sizes(n);
+        ensure!(sc.u.len() >= u && sc.w.len() >= w && sc.p.len() >= p && sc.g.len() >= g, "gdn_chunk_prep: scratch");
+        let smem = (GDN_CHUNK * (d.dk + 1) * 2 + GDN_CHUNK * (GDN_CHUNK + 1) + GDN_CHUNK * (d.dk + d.dv)) * 4;
+        let v = [n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.gdn_chunk_prep);
+        l.arg(qkv).arg(beta).arg(gl).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
+        l.arg(&sc.u).arg(&sc.w).arg(&sc.p).arg(&sc.g);
+        // SAFETY: matches gdn_chunk_prep (prefill.cu); grid (chunks, hv), one solution column per thread (dk + dv <=
+        // 256), shared memory as laid out there; scratch sized by chunk_sizes(n) (checked).
+        unsafe { l.launch(cfg((n.div_ceil(GDN_CHUNK) as u32, d.hv as u32), 256, smem)) }?;
+        Ok(())
+    }
+
+    /// Chunked delta rule, phase 2: the state through the chunks in order; `o` `[n, hv, dv]`, `state` updated.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_chunk_scan(
+        &self,
+        qkv: &CudaSlice<f32>,
+        sc: &GdnChunkScratch,
+        n: usize,
+        d: GdnDims,
+        state: &mut CudaSlice<f32>,
+        o: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        d.check()?;
+        let (u, w, p, g) = d.chunk_sizes(n);
+        ensure!(sc.u.len() >= u && sc.w.len() >= w && sc.p.len() >= p && sc.g.len() >= g, "gdn_chunk_scan: scratch");
+        ensure!(n > 0 && qkv.len() >= n * d.conv_dim(), "gdn_chunk_scan: qkv");
+        ensure!(state.len() >= d.hv * d.dk * d.dv && o.len() >= n * d.hv * d.dv, "gdn_chunk_scan: state / output");
+        let smem = (d.dk * 32 + 3 * GDN_CHUNK * (d.dk + 4) + GDN_CHUNK * GDN_CHUNK + 2 * GDN_CHUNK * 32) * 4;
+        let v = [n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.gdn_chunk_scan);
+        l.arg(qkv).arg(&sc.u).arg(&sc.w).arg(&sc.p).arg(&sc.g).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
+        l.arg(&*state).arg(&*o);
+        // SAFETY: matches gdn_chunk_scan (prefill.cu); grid (hv, ceil(dv/32)), dk <= 128 and % 4 (checked); shared
+        // memory as laid out there.
+        unsafe { l.launch(cfg((d.hv as u32, d.dv.div_ceil(32) as u32), 256, smem)) }?;
+        Ok(())
+    }
+
+    /// Gated RMSNorm of the GDN output per (token, value head) with z from `proj` (column `zoff + h*dv`) -> bf16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_gated_norm(
+        &self,
+        o: &CudaSlice<f32>,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        n: usize,
+        d: GdnDims,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let (zoff, vd) = (d.conv_dim(), d.hv * d.dv);
+        ensure!(d.dv <= 128 && norm.len() >= d.dv, "gdn_gated_norm: value head dim {}", d.dv);
+        ensure!(n > 0 && o.len() >= n * vd && out.len() >= n * vd, "gdn_gated_norm: buffers");
+        ensure!(ldp >= zoff + vd && proj.len() >= (n - 1) * ldp + zoff + vd, "gdn_gated_norm: proj");
+        let v = [ldp, n, d.hv, d.dv, zoff].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.gdn_gated_norm);
+        l.arg(o).arg(proj).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(norm).arg(&eps).arg(&*out);
+        // SAFETY: matches gdn_gated_norm (prefill.cu): one warp per (token, head), 8 per block; buffers checked.
+        unsafe { l.launch(cfg(((n * d.hv).div_ceil(8) as u32, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// The conv ring after `n` tokens at `pos0..`: slot p % taps = pre-conv input of position p (last min(n, taps)).
+    pub fn gdn_ring(
+        &self,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        d: GdnDims,
+        pos0: usize,
+        n: usize,
+        ring: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let cd = d.conv_dim();
+        ensure!(
+            n > 0 && ldp >= cd && proj.len() >= (n - 1) * ldp + cd && ring.len() >= d.taps * cd,
+            "gdn_ring: buffers"
+        );
+        let v = [ldp, cd, d.taps, pos0, n].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.gdn_ring);
+        l.arg(proj).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&*ring);
+        // SAFETY: matches gdn_ring (prefill.cu): grid-stride over min(n, taps) rows of cd channels; buffers checked.
+        unsafe { l.launch(cfg((self.sms, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// q/k norm + RoPE for `n` tokens at `pos0..`: q -> bf16 `[n, nh, hd]`, k/v -> cache rows pos0.. (bf16).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prep_rows(
+        &self,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        qn: &CudaSlice<f32>,
+        kn: &CudaSlice<f32>,
+        pos0: usize,
+        n: usize,
+        (nh, nkv, hd, rd): (usize, usize, usize, usize),
+        theta: f32,
+        eps: f32,
+        qout: &mut CudaSlice<u16>,
+        kc: &mut CudaSlice<u16>,
+        vc: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        ensure!(hd <= 256 && hd % 32 == 0 && rd <= hd && rd % 2 == 0 && nkv > 0, "attn_prep_rows: dims");
+        let rows = (2 * nh + 2 * nkv) * hd;
+        ensure!(n > 0 && ldp >= rows && proj.len() >= (n - 1) * ldp + rows, "attn_prep_rows: proj");
+        ensure!(qn.len() >= hd && kn.len() >= hd && qout.len() >= n * nh * hd, "attn_prep_rows: buffers");
+        ensure!(
+            kc.len() == vc.len() && kc.len() >= (pos0 + n) * nkv * hd,
+            "attn_prep_rows: the cache holds fewer than {} rows",
+            pos0 + n
+        );
+        let v = [ldp, pos0, nh, nkv, hd, rd].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.attn_prep_rows);
+        l.arg(proj).arg(&v[0]).arg(qn).arg(kn).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&theta);
+        l.arg(&eps).arg(&*qout).arg(&*kc).arg(&*vc);
+        // SAFETY: matches attn_prep_rows (prefill.cu); grid (n, nh + nkv) of hd threads; cache rows pos0..pos0+n exist
+        // (checked).
+        unsafe { l.launch(cfg((n as u32, (nh + nkv) as u32), hd as u32, 0)) }?;
+        Ok(())
+    }
+
+    /// Causal flash attention of `n` query rows at `pos0..` over cache keys `0..pos0+n`, output gate from `proj`
+    /// -> bf16 `[n, nh*hd]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill(
+        &self,
+        q: &CudaSlice<u16>,
+        kc: &CudaSlice<u16>,
+        vc: &CudaSlice<u16>,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        n: usize,
+        pos0: usize,
+        (nh, nkv, hd): (usize, usize, usize),
+        out: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let (f, bkv) = match hd {
+            256 => (&self.f.flash_prefill_hd256, 32),
+            128 => (&self.f.flash_prefill_hd128, 64),
+            64 => (&self.f.flash_prefill_hd64, 64),
+            _ => bail!("flash_prefill: head dim {hd} (kernels for 64, 128 and 256)"),
+        };
+        ensure!(nkv > 0 && nh % nkv == 0 && n > 0, "flash_prefill: {nh} query heads over {nkv} kv heads");
+        ensure!(q.len() >= n * nh * hd && out.len() >= n * nh * hd, "flash_prefill: q / out");
+        ensure!(ldp >= 2 * nh * hd && proj.len() >= (n - 1) * ldp + 2 * nh * hd, "flash_prefill: proj (gates)");
+        ensure!(
+            kc.len() == vc.len() && kc.len() >= (pos0 + n) * nkv * hd,
+            "flash_prefill: cache shorter than {} rows",
+            pos0 + n
+        );
+        ensure!(n.div_ceil(64) <= 65535 * 32, "flash_prefill: {n} rows");
+        let smem = 64 * (hd + 8) * 2 + 4 * bkv * (hd + 8) * 2;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let v = [ldp, n, pos0, nh, nkv].map(|v| v as i32);
+        let mut l = self.launcher(f);
+        l.arg(q)
+            .arg(kc)
+            .arg(vc)
+            .arg(proj)
+            .arg(&v[0])
+            .arg(&v[1])
+            .arg(&v[2])
+            .arg(&v[3])
+            .arg(&v[4])
+            .arg(&scale)
+            .arg(&*out);
+        // SAFETY: matches flash_prefill_hd* (flash.cu); keys read are < pos0 + n <= cache rows (checked), queries < n;
+        // shared memory as FlashCfg<hd, bkv>.
+        unsafe { l.launch(cfg((n.div_ceil(64) as u32, nh as u32), 128, smem)) }?;
+        Ok(())
+    }
+}
+
+/// The expert-sorted (token, slot) pairs of one MoE layer and the grouped GEMMs' tile list (moe_align).
+pub struct MoeSorted {
+    pub rowmap: CudaSlice<i32>,
+    pub pos: CudaSlice<i32>,
+    pub ntile: CudaSlice<i32>,
+    pub tiles: CudaSlice<i32>,
+    pub n: usize,
+    pub k: usize,
+    pub experts: usize,
+    pub max_tiles: usize,
+}
+
+impl MoeSorted {
+    pub fn new(g: &Gpu, cap: usize, k: usize, experts: usize) -> Result<MoeSorted> {
+        let pairs = cap * (k + 1);
+        Ok(MoeSorted {
+            rowmap: g.zeros(pairs)?,
+            pos: g.zeros(pairs)?,
+            ntile: g.zeros(1)?,
+            tiles: g.zeros(3 * max_moe_tiles(cap, k, experts))?,
+            n: 0,
+            k,
+            experts,
+            max_tiles: 0,
+        })
+    }
+}
+
+/// U, W, P, G of the chunked delta rule.
+pub struct GdnChunkScratch {
+    pub u: CudaSlice<f32>,
+    pub w: CudaSlice<f32>,
+    pub p: CudaSlice<f32>,
+    pub g: CudaSlice<f32>,
+}
+
+impl GdnChunkScratch {
+    pub fn new(gpu: &Gpu, d: GdnDims, cap: usize) -> Result<GdnChunkScratch> {
+        let (u, w, p, g) = d.chunk_sizes(cap);
+        Ok(GdnChunkScratch { u: gpu.zeros(u)?, w: gpu.zeros(w)?, p: gpu.zeros(p)?, g: gpu.zeros(g)? })
+    }
+}
+
+/// Activation buffers of one prefill chunk of at most `cap` tokens.
+pub struct Scratch {
+    pub cap: usize,
+    ids: CudaSlice<i32>,
+    x: CudaSlice<f32>,
+    xb: CudaSlice<u16>,
+    xn: CudaSlice<f32>,
+    proj: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    beta: CudaSlice<f32>,
+    gl: CudaSlice<f32>,
+    chunks: GdnChunkScratch,
+    o: CudaSlice<f32>,
+    qb: CudaSlice<u16>,
+    rlogits: CudaSlice<f32>,
+    idx: CudaSlice<i32>,
+    wts: CudaSlice<f32>,
+    sorted: MoeSorted,
+    act: CudaSlice<u16>,
+    ybuf: CudaSlice<f32>,
+}
+
+impl Scratch {
+    pub fn new(m: &DeviceModel, cap: usize) -> Result<Scratch> {
+        let (g, c) = (&*m.gpu, &m.config);
+        ensure!(cap > 0, "prefill chunk must hold at least one token");
+        let h = c.hidden_size;
+        let d = GdnDims::of(c);
+        let proj_rows = m
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                DMixer::Gdn { proj, .. } => proj.rows,
+                DMixer::Attn { qkv, .. } => qkv.rows,
+            })
+            .max()
+            .unwrap_or(0);
+        let wide = h.max(d.hv * d.dv).max(c.num_attention_heads * c.head_dim);
+        let (k, e) = (c.num_experts_per_tok, c.num_experts);
+        let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
+        let pairs = cap * (k + 1);
+        let alloc = || -> Result<Scratch> {
+            Ok(Scratch {
+                cap,
+                ids: g.zeros(cap)?,
+                x: g.zeros(cap * h)?,
+                xb: g.zeros(cap * wide)?,
+                xn: g.zeros(cap * h)?,
+                proj: g.zeros(cap * proj_rows)?,
+                qkv: g.zeros(cap * d.conv_dim())?,
+                beta: g.zeros(cap * d.hv)?,
+                gl: g.zeros(cap * d.hv)?,
+                chunks: GdnChunkScratch::new(g, d, cap)?,
+                o: g.zeros(cap * d.hv * d.dv)?,
+                qb: g.zeros(cap * c.num_attention_heads * c.head_dim)?,
+                rlogits: g.zeros(cap * (e + 1))?,
+                idx: g.zeros(cap * (k + 1))?,
+                wts: g.zeros(cap * (k + 1))?,
+                sorted: MoeSorted::new(g, cap, k, e)?,
+                act: g.zeros(pairs * imax)?,
+                ybuf: g.zeros(pairs * h)?,
+            })
+        };
+        alloc().with_context(|| {
+            format!("cannot allocate the prefill buffers for chunks of {cap} tokens (out of device memory?)")
+        })
+    }
+
+    /// Device bytes these buffers hold.
+    pub fn bytes(&self) -> usize {
+        let f = |n: usize| n * 4;
+        let hb = |n: usize| n * 2;
+        f(self.ids.len() + self.x.len() + self.xn.len() + self.proj.len() + self.qkv.len() + self.beta.len())
+            + f(self.gl.len() + self.chunks.u.len() + self.chunks.w.len() + self.chunks.p.len() + self.chunks.g.len())
+            + f(self.o.len() + self.rlogits.len() + self.idx.len() + self.wts.len() + self.ybuf.len())
+            + f(self.sorted.rowmap.len() + self.sorted.pos.len() + self.sorted.tiles.len())
+            + hb(self.xb.len() + self.qb.len() + self.act.len())
+    }
+}
+
+/// The backend's prefill chunk length and its (lazily allocated) buffers, shared by all sequences.
+pub struct PrefillBuffers {
+    pub chunk: usize,
+    pub scratch: Option<Scratch>,
+}
+
+impl PrefillBuffers {
+    pub fn new(chunk: usize) -> Mutex<PrefillBuffers> {
+        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None })
+    }
+}
+
+/// What a prefill returns besides the state it leaves.
+#[derive(Default, Debug)]
+pub struct PrefillOut {
+    /// `[n, vocab]` when asked for every position's logits.
+    pub logits: Vec<f32>,
+    /// Per layer, the routed experts of every token (`[n * k]`), when asked (tests hold routing equal with them).
+    pub routes: Vec<Vec<usize>>,
+}
+
+impl DeviceState {
+    /// Read `ids` after what the sequence holds through the multi-token kernels, in chunks of the backend's prefill
+    /// chunk: afterwards `logits` holds the last position's logits, `tok` their argmax and the position counter the
+    /// new length (as after `ids.len()` decode steps). With `all_logits`, every position's logits are returned;
+    /// with `log_routes`, every layer's expert choices. On error the sequence's state is undefined (discard it).
+    pub fn prefill(&mut self, m: &DeviceModel, ids: &[u32], all_logits: bool, log_routes: bool) -> Result<PrefillOut> {
+        self.prefill_profiled(m, ids, all_logits, log_routes, None)
+    }
+
+    /// [`DeviceState::prefill`]; with `prof`, every launch is bracketed by events and timed by kernel family
+    /// (the stream is not synchronised in between, so the sum is close to the real pass).
+    pub fn prefill_profiled(
+        &mut self,
+        m: &DeviceModel,
+        ids: &[u32],
+        all_logits: bool,
+        log_routes: bool,
+        prof: Option<&mut Profile>,
+    ) -> Result<PrefillOut> {
+        let (g, c) = (&*m.gpu, &m.config);
+        ensure!(!ids.is_empty(), "prefill needs at least one token");
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
+            bail!("token id {bad} is outside the vocabulary (size {})", c.vocab_size);
+        }
+        ensure!(
+            self.len + ids.len() <= self.max_ctx,
+            "the prompt does not fit: {} tokens held + {} new > the sequence's capacity of {} tokens",
+            self.len,
+            ids.len(),
+            self.max_ctx
+        );
+        let mut guard =
+            m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
+        let bufs = &mut *guard;
+        if bufs.scratch.as_ref().is_none_or(|s| s.cap < bufs.chunk) {
+            bufs.scratch = None; // free the old buffers before allocating larger ones
+            bufs.scratch = Some(Scratch::new(m, bufs.chunk)?);
+        }
+        let (chunk, sc) = (bufs.chunk, bufs.scratch.as_mut().context("prefill buffers")?);
+        let mut out = PrefillOut::default();
+        if log_routes {
+            out.routes = vec![Vec::with_capacity(ids.len() * c.num_experts_per_tok); c.num_layers()];
+        }
+        let mut events = Vec::new();
+        for part in ids.chunks(chunk) {
+            let logits = all_logits.then_some(&mut out.logits);
+            let routes = log_routes.then_some(&mut out.routes);
+            self.prefill_chunk(m, sc, part, logits, routes, prof.is_some().then_some(&mut events))?;
+        }
+        g.stream.synchronize()?;
+        if let Some(p) = prof {
+            for w in events.windows(2) {
+                let ((name, a), (_, b)) = (&w[0], &w[1]);
+                if !name.is_empty() {
+                    p.add(name, a.elapsed_ms(b)? as f64);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn prefill_chunk(
+        &mut self,
+        m: &DeviceModel,
+        sc: &mut Scratch,
+        ids: &[u32],
+        all_logits: Option<&mut Vec<f32>>,
+        routes: Option<&mut Vec<Vec<usize>>>,
+        mut events: Option<&mut Vec<(&'static str, CudaEvent)>>,
+    ) -> Result<()> {
+        let (g, c) = (&*m.gpu, &m.config);
+        let n = ids.len();
+        // profiling: an event before each kernel family's launch (the name is the family that follows)
+        let mut mark = |name: &'static str| -> Result<()> {
+            if let Some(ev) = events.as_deref_mut() {
+                ev.push((name, g.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?));
+            }
+            Ok(())
+        };
+        ensure!(n <= sc.cap, "prefill chunk of {n} tokens over the buffers' {}", sc.cap);
+        let pos0 = self.len;
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+        let d = GdnDims::of(c);
+        let (k, e) = (c.num_experts_per_tok, c.num_experts);
+        let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        mark("embed")?;
+        g.embed_rows(&m.embed, ids, &mut sc.ids, &mut sc.x)?;
+        let mut route_log = routes;
+        for (li, (l, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
+            mark("rmsnorm")?;
+            g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
+            match (&l.mixer, ls) {
+                (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) => {
+                    let ldp = proj.rows;
+                    mark("gdn_in_proj (gemm)")?;
+                    g.gemm_q4(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    mark("gdn_prep")?;
+                    g.gdn_prep(
+                        &sc.proj,
+                        ldp,
+                        ring,
+                        conv,
+                        a_log,
+                        dt_bias,
+                        d,
+                        pos0,
+                        n,
+                        &mut sc.qkv,
+                        &mut sc.beta,
+                        &mut sc.gl,
+                    )?;
+                    mark("gdn_chunk_prep")?;
+                    g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, n, d, &mut sc.chunks)?;
+                    mark("gdn_chunk_scan")?;
+                    g.gdn_chunk_scan(&sc.qkv, &sc.chunks, n, d, s, &mut sc.o)?;
+                    mark("gdn_ring+gated_norm")?;
+                    g.gdn_ring(&sc.proj, ldp, d, pos0, n, ring)?;
+                    g.gdn_gated_norm(&sc.o, &sc.proj, ldp, n, d, norm, eps, &mut sc.xb)?;
+                    mark("gdn_out_proj (gemm)")?;
+                    g.gemm_q4(out, &sc.xb, n, &mut sc.x, h, true)?;
+                }
+                (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) => {
+                    let ldp = qkv.rows;
+                    mark("attn_qkv (gemm)")?;
+                    g.gemm_q4(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    let theta = c.rope_theta as f32;
+                    mark("attn_prep")?;
+                    g.attn_prep_rows(
+                        &sc.proj,
+                        ldp,
+                        qn,
+                        kn,
+                        pos0,
+                        n,
+                        (nh, nkv, hd, c.rotary_dim),
+                        theta,
+                        eps,
+                        &mut sc.qb,
+                        kc,
+                        vc,
+                    )?;
+                    mark("attn_flash")?;
+                    g.flash_prefill(&sc.qb, kc, vc, &sc.proj, ldp, n, pos0, (nh, nkv, hd), &mut sc.xb)?;
+                    mark("attn_o_proj (gemm)")?;
+                    g.gemm_q4(o, &sc.xb, n, &mut sc.x, h, true)?;
+                }
+                _ => bail!("layer {li}: state does not match the model's layer kind"),
+            }
+            ensure!(l.router.rows == e + 1, "layer {li}: router rows {} != experts + 1", l.router.rows);
+            mark("rmsnorm")?;
+            g.rmsnorm_rows(&sc.x, n, &l.post_norm, eps, &mut sc.xb, Some(&mut sc.xn))?;
+            mark("moe_router (f32)")?;
+            g.router_rows(&l.router, &sc.xn, n, &mut sc.rlogits)?;
+            mark("moe_topk+align")?;
+            g.topk_rows(&sc.rlogits, e, k, n, &mut sc.idx, &mut sc.wts)?;
+            if let Some(r) = route_log.as_deref_mut() {
+                let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
+                r[li].extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
+            }
+            g.moe_align(&sc.idx, n, k, e, &mut sc.sorted)?;
+            mark("moe_gate_up (gemm)")?;
+            g.moe_gate_up_rows(&l.gate_up, e, sizes, h, &sc.xb, n, k, &sc.sorted, &mut sc.act)?;
+            mark("moe_down (gemm)")?;
+            g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
+            mark("moe_combine")?;
+            g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x)?;
+        }
+        if let Some(out) = all_logits {
+            let v = c.vocab_size;
+            mark("lm_head all rows")?;
+            g.rmsnorm_rows(&sc.x, n, &m.norm, eps, &mut sc.xb, None)?;
+            let mut dl = g.zeros::<f32>(n * v)?;
+            g.gemm_q4(&m.lm_head, &sc.xb, n, &mut dl, v, false)?;
+            out.extend(g.download(&dl)?);
+        }
+        // the last row through the decode step's own tail: logits, argmax -> tok, position -> pos0 + n
+        mark("lm_head+argmax (last row)")?;
+        g.stream.memcpy_dtod(&sc.x.slice((n - 1) * h..n * h), &mut self.x.slice_mut(..h))?;
+        g.stream.memcpy_htod(&[(pos0 + n - 1) as i32], &mut self.pos)?;
+        g.gemv(&m.lm_head, &self.x, Some(&m.norm), eps, &mut self.logits, 0, false)?;
+        g.argmax(&self.logits, &mut self.apv, &mut self.api, &mut self.tok, &mut self.pos)?;
+        mark("")?;
+        self.len = pos0 + n;
+        Ok(())
+    }
+
+    /// Zero the recurrent state, conv rings and position: an empty sequence again (the KV rows are left as they
+    /// are; nothing reads rows past the length).
+    pub fn reset(&mut self, g: &Gpu) -> Result<()> {
+        for l in self.layers.iter_mut() {
+            if let LState::Gdn { ring, s } = l {
+                g.stream.memset_zeros(ring)?;
+                g.stream.memset_zeros(s)?;
+            }
+        }
+        g.stream.memcpy_htod(&[0i32], &mut self.pos)?;
+        self.len = 0;
+        Ok(())
+    }
+}
+
+/// FLOPs of a prefill of `n` tokens after `pos0` cached ones (matrix products, the chunked GDN and attention;
+/// the lm_head for the last token only): the numerator of the compute ceiling.
+pub fn prefill_flops(c: &Config, m: &DeviceModel, pos0: usize, n: usize) -> f64 {
+    let (h, k) = (c.hidden_size as f64, c.num_experts_per_tok as f64);
+    let (i, is) = (c.moe_intermediate_size as f64, c.shared_expert_intermediate_size as f64);
+    let d = GdnDims::of(c);
+    let nf = n as f64;
+    let mut total = 0.0;
+    for (l, kind) in m.layers.iter().zip(&c.layer_types) {
+        total += match &l.mixer {
+            DMixer::Gdn { proj, out, .. } => 2.0 * nf * (proj.rows * proj.cols + out.rows * out.cols) as f64,
+            DMixer::Attn { qkv, o, .. } => 2.0 * nf * (qkv.rows * qkv.cols + o.rows * o.cols) as f64,
+        };
+        // router, routed and shared experts
+        total += 2.0 * nf * (l.router.rows as f64 * h + k * 3.0 * i * h + 3.0 * is * h);
+        total += match kind {
+            // per token and value head (multiply-adds): A and P rows 2*64*dk, the triangular solve 32*(dk+dv),
+            // [W;Q] S 2*dk*dv, the state update dk*dv, P D 32*dv
+            LayerKind::Linear => {
+                let (dk, dv) = (d.dk as f64, d.dv as f64);
+                2.0 * nf * d.hv as f64 * (128.0 * dk + 32.0 * (dk + dv) + 3.0 * dk * dv + 32.0 * dv)
+            }
+            LayerKind::Full => {
+                let keys = nf * pos0 as f64 + nf * (nf + 1.0) / 2.0;
+                4.0 * (c.num_attention_heads * c.head_dim) as f64 * keys
+            }
+        };
+    }
+    total + 2.0 * (m.lm_head.rows * m.lm_head.cols) as f64
+}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Device side of tools/cuda-check.sh: run from the repo root on the GPU machine with .carry/ carried.
+#   tools/cuda-run.sh tests [filter]     each GPU test in its own process (TERN_REQUIRE_CUDA=1), summary at the end
+#   tools/cuda-run.sh ignored [filter]   the slow full-shape tests
+#   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
+set -u
+OUT=${OUT:-/tmp/tern-out}
+mkdir -p "$OUT"
+# the test binaries find tests/fixtures through the path they were built at
+[ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
+export TERN_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
+what=${1:-tests}
+shift || true
+case "$what" in
+tests | ignored)
+  filter=${1:-}
+  summary=""
+  for bin in prefill kernels gpu; do
+    flag=""
+    [ "$what" = ignored ] && flag="--ignored"
+    for name in $(./.carry/$bin --list $flag 2>/dev/null | sed -n 's/: test$//p'); do
+      [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
+      log=$(mktemp)
+      timeout "${TERN_TEST_TIMEOUT:-240}" ./.carry/$bin "$name" --exact --nocapture --test-threads=1 $flag >"$log" 2>&1
+      rc=$?
+      summary+="$rc $bin::$name"$'\n'
+      { echo "=== $bin::$name rc=$rc"; cat "$log"; } >>"$OUT/tests.log"
+      echo "=== $bin::$name rc=$rc"
+      grep -vE '^(running|test result|$)' "$log" | tail -n 12
+    done
+  done
+  echo "=== summary (rc test)"
+  printf '%s' "$summary" | tee "$OUT/summary.txt"
+  ;;
+bench)
+  ctx=${1:-256,4096,32768}
+  shift || true
+  ./.carry/tern bench --backend cuda --random-weights --config .carry/qwen --ctx "$ctx" "$@" 2>&1 | tee "$OUT/bench.txt"
+  ;;
+*)
+  echo "unknown: $what" >&2
+  exit 2
+  ;;
+esac
