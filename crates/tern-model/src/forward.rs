@@ -64,6 +64,24 @@ impl State {
             .collect();
         State { pos: 0, layers, routing: Routing::default() }
     }
+
+    /// Bytes of the state of a sequence that has read `tokens` tokens: the fixed conv inputs and recurrent state
+    /// of every Gated DeltaNet layer, plus the keys and values (f32) of every attention layer per token.
+    pub fn bytes_for(c: &Config, tokens: usize) -> usize {
+        let per_token = 2 * c.num_key_value_heads * c.head_dim;
+        let floats: usize = c
+            .layer_types
+            .iter()
+            .map(|k| match k {
+                crate::config::LayerKind::Full => tokens * per_token,
+                crate::config::LayerKind::Linear => {
+                    (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim()
+                        + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+                }
+            })
+            .sum();
+        4 * floats
+    }
 }
 
 /// Which rows of logits to compute.
