@@ -6,8 +6,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::Value;
+use tern_engine::{read_logits, Backend, CpuBackend};
 use tern_model::safetensors::{self, Dtype};
-use tern_model::{Logits, State, Weights};
+use tern_model::Weights;
 
 mod bench;
 mod chat;
@@ -134,13 +135,15 @@ fn logits(model: &Path, ids: &str, out: &Path, split: Option<usize>) -> Result<(
     }
     eprintln!("loaded {} in {:.2}s", model.display(), t0.elapsed().as_secs_f64());
     let t1 = Instant::now();
-    let mut state = State::new(&w.config);
-    let mut rows = w.forward(&ids[..k], &mut state, Logits::All);
+    let vocab = w.config.vocab_size;
+    let backend = CpuBackend::new(w);
+    let seq = backend.alloc(n)?;
+    let mut rows = read_logits(&backend, seq, &ids[..k], true)?;
     for &id in &ids[k..] {
-        rows.extend(w.forward(&[id], &mut state, Logits::All));
+        rows.extend(read_logits(&backend, seq, &[id], true)?);
     }
     eprintln!("{n} positions ({k} prefilled, {} decoded) in {:.2}s", n - k, t1.elapsed().as_secs_f64());
-    safetensors::write_f32(out, &[("logits", &[n, w.config.vocab_size], &rows)])?;
+    safetensors::write_f32(out, &[("logits", &[n, vocab], &rows)])?;
     eprintln!("wrote {}", out.display());
     Ok(())
 }
