@@ -467,8 +467,8 @@ pub fn route(c: &Config, router_logits: &[f32]) -> Vec<(usize, f32)> {
     let p: Vec<f32> = router_logits.iter().map(|l| (l - m).exp()).collect();
     let sum: f32 = p.iter().sum();
     let mut idx: Vec<usize> = (0..p.len()).collect();
-    // Highest probability first; ties go to the lower index.
-    idx.sort_by(|&i, &j| p[j].partial_cmp(&p[i]).unwrap().then(i.cmp(&j)));
+    // Highest probability first; ties go to the lower index (a total order: a NaN logit cannot panic here).
+    idx.sort_by(|&i, &j| p[j].total_cmp(&p[i]).then(i.cmp(&j)));
     let top: Vec<(usize, f32)> = idx[..c.num_experts_per_tok].iter().map(|&e| (e, p[e] / sum)).collect();
     let total: f32 = top.iter().map(|(_, w)| w).sum();
     top.into_iter().map(|(e, w)| (e, w / total)).collect()
