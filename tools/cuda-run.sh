@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device side of tools/cuda-check.sh: run from the repo root on the GPU machine with .carry/ carried.
-#   tools/cuda-run.sh tests [filter]     each GPU test in its own process (TERN_REQUIRE_CUDA=1), summary at the end
+#   tools/cuda-run.sh tests [filter]     each GPU test in its own process (TERN_REQUIRE_CUDA=1), summary at the end;
+#                                        filter: a substring of bin::name (prefill::, kernels::gdn, ...)
 #   tools/cuda-run.sh ignored [filter]   the slow full-shape tests
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
 set -u
@@ -19,7 +20,7 @@ tests | ignored)
     flag=""
     [ "$what" = ignored ] && flag="--ignored"
     for name in $(./.carry/$bin --list $flag 2>/dev/null | sed -n 's/: test$//p'); do
-      [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
+      [ -n "$filter" ] && [[ "$bin::$name" != *$filter* ]] && continue
       log=$(mktemp)
       timeout "${TERN_TEST_TIMEOUT:-240}" ./.carry/$bin "$name" --exact --nocapture --test-threads=1 $flag >"$log" 2>&1
       rc=$?

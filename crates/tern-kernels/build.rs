@@ -26,10 +26,16 @@ fn main() {
     }
     let mut entries = Vec::new();
     match find_nvcc() {
-        None => println!(
-            "cargo:warning=tern-kernels: nvcc not found (NVCC, PATH, CUDA_HOME or the pip wheels, see \
-             .ci/install-nvcc): building without CUDA kernels"
-        ),
+        None => {
+            println!(
+                "cargo:warning=tern-kernels: nvcc not found (NVCC, PATH, CUDA_HOME or the pip wheels, see \
+                 .ci/install-nvcc): building without CUDA kernels"
+            );
+            // A path that never exists: cargo treats the script as stale and runs it again at every build, so once
+            // nvcc is installed (e.g. into site-packages, which changes no tracked variable) a plain `cargo build`
+            // compiles the kernels instead of keeping this empty set until `cargo clean`.
+            println!("cargo:rerun-if-changed={}", out.join("nvcc-not-found-probe-again").display());
+        }
         Some(nvcc) => {
             let mut report = String::new();
             for s in &sources {

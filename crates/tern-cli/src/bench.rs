@@ -7,10 +7,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 use serde_json::{json, Value};
+use tern_engine::{read_logits, Backend, CpuBackend};
 use tern_model::mlx::QuantSpec;
 use tern_model::random::RandomValues;
 use tern_model::weights::{Linear, Mixer};
-use tern_model::{Config, LayerKind, LoadOptions, Logits, State, Weights};
+use tern_model::{Config, LayerKind, LoadOptions, Weights};
 
 use crate::hub::resolve_model;
 
@@ -97,6 +98,8 @@ pub fn run(args: Args) -> Result<()> {
         _ => bail!("give --model DIR_OR_ID, or --random-weights --config CONFIG"),
     };
     let load_s = t0.elapsed().as_secs_f64();
+    let backend = CpuBackend::new(w);
+    let w = backend.weights();
     let bw = memory_bandwidth();
     if !args.json {
         eprintln!("weights ready in {load_s:.1}s; memcpy bandwidth {:.1} GB/s (read + write)", bw / 1e9);
@@ -104,11 +107,11 @@ pub fn run(args: Args) -> Result<()> {
     let mut rows = Vec::new();
     for &ctx in &args.ctx {
         let prompt = prompt_ids(ctx, w.config.vocab_size);
-        run_once(&w, &prompt, 1); // exact-shape warm-up (prefill of this length, one decode step)
-        let runs: Vec<(f64, f64)> = (0..args.repeats).map(|_| run_once(&w, &prompt, DECODE_STEPS)).collect();
+        run_once(&backend, &prompt, 1)?; // exact-shape warm-up (prefill of this length, one decode step)
+        let runs = (0..args.repeats).map(|_| run_once(&backend, &prompt, DECODE_STEPS)).collect::<Result<Vec<_>>>()?;
         let ttft = median(runs.iter().map(|r| r.0).collect());
         let decode_s = median(runs.iter().map(|r| r.1).collect());
-        let bytes = decode_bytes(&w, ctx);
+        let bytes = decode_bytes(w, ctx);
         let (prefill_tps, decode_tps) = (ctx as f64 / ttft, DECODE_STEPS as f64 / decode_s);
         let ceiling = bw / bytes as f64;
         let row = json!({
@@ -144,17 +147,22 @@ fn argmax(v: &[f32]) -> u32 {
     v.iter().enumerate().fold(0, |b, (i, x)| if *x > v[b] { i } else { b }) as u32
 }
 
-/// One greedy run: (seconds to the first token, seconds for `steps` decode steps).
-fn run_once(w: &Weights, prompt: &[u32], steps: usize) -> (f64, f64) {
-    let mut st = State::new(&w.config);
+/// One greedy run through the backend's step (batch 1): (seconds to the first token, seconds for `steps` decode
+/// steps).
+fn run_once(b: &CpuBackend, prompt: &[u32], steps: usize) -> Result<(f64, f64)> {
+    let seq = b.alloc(prompt.len() + steps)?;
     let t0 = Instant::now();
-    let mut next = argmax(&w.forward(prompt, &mut st, Logits::Last));
-    let ttft = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    for _ in 0..steps {
-        next = argmax(&w.forward(&[next], &mut st, Logits::Last));
-    }
-    (ttft, t1.elapsed().as_secs_f64())
+    let run = (|| {
+        let mut next = argmax(&read_logits(b, seq, prompt, false)?);
+        let ttft = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        for _ in 0..steps {
+            next = argmax(&read_logits(b, seq, &[next], false)?);
+        }
+        Ok((ttft, t1.elapsed().as_secs_f64()))
+    })();
+    b.free(seq);
+    run
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

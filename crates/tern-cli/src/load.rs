@@ -51,7 +51,7 @@ pub fn load_model(model: &str, backend: &str, ctx: usize) -> Result<Model> {
             bytes / 1e9,
             bytes / 1e9 / secs.max(1e-9)
         );
-        Model::with_backend(&dir, Arc::new(be))?
+        Model::with_backend(&dir, Arc::new(tern_cuda::CudaSlots::new(be)))?
     } else {
         Model::load_cpu(&dir)?
     };

@@ -6,8 +6,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use serde_json::Value;
+use tern_engine::{read_logits, Backend, CpuBackend};
 use tern_model::safetensors::{self, Dtype};
-use tern_model::{Logits, State, Weights};
+use tern_model::Weights;
 
 mod bench;
 mod chat;
@@ -164,24 +165,20 @@ fn logits(model: &Path, ids: &str, out: &Path, split: Option<usize>, backend: &s
     }
     eprintln!("loaded {} in {:.2}s", model.display(), t0.elapsed().as_secs_f64());
     let t1 = Instant::now();
-    let rows = if cuda {
-        let be = tern_cuda::CudaBackend::new(&w, tern_cuda::seq::CudaOptions::with_context(n + 1))?;
-        let mut seq = be.new_cuda_sequence()?;
-        let mut rows = seq.st.prefill(&be.model, &ids[..k], true, false)?.logits;
-        for &id in &ids[k..] {
-            rows.extend(seq.forward_ids(&[id])?);
-        }
-        rows
+    let vocab = w.config.vocab_size;
+    let be: Box<dyn Backend> = if cuda {
+        let opts = tern_cuda::seq::CudaOptions::with_context(n + 1);
+        Box::new(tern_cuda::CudaSlots::new(tern_cuda::CudaBackend::new(&w, opts)?))
     } else {
-        let mut state = State::new(&w.config);
-        let mut rows = w.forward(&ids[..k], &mut state, Logits::All);
-        for &id in &ids[k..] {
-            rows.extend(w.forward(&[id], &mut state, Logits::All));
-        }
-        rows
+        Box::new(CpuBackend::new(w))
     };
+    let seq = be.alloc(n)?;
+    let mut rows = read_logits(&*be, seq, &ids[..k], true)?;
+    for &id in &ids[k..] {
+        rows.extend(read_logits(&*be, seq, &[id], true)?);
+    }
     eprintln!("{n} positions ({k} prefilled, {} decoded) on {backend} in {:.2}s", n - k, t1.elapsed().as_secs_f64());
-    safetensors::write_f32(out, &[("logits", &[n, w.config.vocab_size], &rows)])?;
+    safetensors::write_f32(out, &[("logits", &[n, vocab], &rows)])?;
     eprintln!("wrote {}", out.display());
     Ok(())
 }

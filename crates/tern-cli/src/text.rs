@@ -4,7 +4,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use tern_model::{Logits, State, Weights};
+use tern_engine::{read_logits, Backend, CpuBackend};
+use tern_model::Weights;
 use tern_text::Tokenizer;
 
 #[derive(clap::Args)]
@@ -83,12 +84,15 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     if ids.len() < 2 {
         bail!("{}: needs at least 2 tokens, has {}", a.file.display(), ids.len());
     }
-    let w = Weights::load(&a.model)?;
-    let v = w.config.vocab_size;
+    let backend = CpuBackend::new(Weights::load(&a.model)?);
+    let v = backend.vocab_size();
     let t0 = Instant::now();
     let (mut nll, mut count) = (0.0f64, 0usize);
     for window in ids.chunks(a.ctx).filter(|c| c.len() >= 2) {
-        let logits = w.forward(window, &mut State::new(&w.config), Logits::All);
+        let seq = backend.alloc(window.len())?;
+        let logits = read_logits(&backend, seq, window, true);
+        backend.free(seq);
+        let logits = logits?;
         for (t, &next) in window[1..].iter().enumerate() {
             let row = &logits[t * v..(t + 1) * v];
             let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));

@@ -97,15 +97,18 @@ pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak
         anyhow::ensure!((last_tok as usize) < c.vocab_size, "prefill's greedy token {last_tok} outside the vocabulary");
     }
     println!("(prefill ceiling: FLOPs / {peak_tflops:.0} TFLOP/s; decode ceiling: bytes / 4.3 TB/s)");
-    // where a prefill's time goes
-    let pctx = ctxs.iter().copied().filter(|&x| x <= 4096).max().unwrap_or(ctxs[0]);
-    seq.st.reset(&g)?;
-    let mut p = Profile::default();
-    seq.st.prefill_profiled(m, &prompt_ids(pctx, c.vocab_size), false, false, Some(&mut p))?;
-    let total: f64 = p.ops.iter().map(|o| o.1).sum();
-    println!("prefill profile ({pctx} tokens, events around each kernel family): {:.1} ms", total);
-    for (name, ms, n) in &p.ops {
-        println!("  {name:<26} {n:>5} calls {ms:>9.2} ms {:>5.1}%", 100.0 * ms / total);
+    // where a prefill's time goes: at the largest context up to 4,096 and at the smallest
+    let big = ctxs.iter().copied().filter(|&x| x <= 4096).max().unwrap_or(ctxs[0]);
+    let small = ctxs.iter().copied().min().unwrap_or(big);
+    for pctx in if small < big { vec![big, small] } else { vec![big] } {
+        seq.st.reset(&g)?;
+        let mut p = Profile::default();
+        seq.st.prefill_profiled(m, &prompt_ids(pctx, c.vocab_size), false, false, Some(&mut p))?;
+        let total: f64 = p.ops.iter().map(|o| o.1).sum();
+        println!("prefill profile ({pctx} tokens, events around each kernel family): {total:.2} ms");
+        for (name, ms, n) in &p.ops {
+            println!("  {name:<26} {n:>5} calls {ms:>9.3} ms {:>5.1}%", 100.0 * ms / total);
+        }
     }
     if trace {
         seq.st.set_len(&g, ctxs[0])?;

@@ -82,7 +82,7 @@ funcs! {
     gemm_q4_store: "gemm", gemm_q4_add: "gemm", gemm_q4_swiglu: "gemm", gemm_q4_gstore: "gemm",
     embed_rows: "prefill", rmsnorm_rows: "prefill", router_rows: "prefill", topk_rows: "prefill",
     moe_align: "prefill", moe_combine: "prefill", gdn_prep: "prefill", gdn_chunk_prep: "prefill",
-    gdn_chunk_scan: "prefill", gdn_gated_norm: "prefill", gdn_ring: "prefill", attn_prep_rows: "prefill",
+    gdn_chunk_state: "prefill", gdn_chunk_out: "prefill", gdn_gated_norm: "prefill", gdn_ring: "prefill", attn_prep_rows: "prefill",
     flash_prefill_hd256: "flash", flash_prefill_hd128: "flash", flash_prefill_hd64: "flash",
 }
 

@@ -3,12 +3,14 @@
 //! the step reads the token id and the position from device memory and writes the next (greedy) id and
 //! position back, so the same graph replays every step.
 
+pub mod backend;
 pub mod bench;
 pub mod gpu;
 pub mod model;
 pub mod prefill;
 pub mod seq;
 
+pub use backend::CudaSlots;
 pub use gpu::Gpu;
 pub use model::DeviceModel;
 pub use seq::{CudaBackend, DeviceState};

@@ -47,7 +47,8 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.gemm_q4_swiglu,
         &f.gemm_q4_gstore,
         &f.gdn_chunk_prep,
-        &f.gdn_chunk_scan,
+        &f.gdn_chunk_state,
+        &f.gdn_chunk_out,
         &f.flash_prefill_hd256,
         &f.flash_prefill_hd128,
         &f.flash_prefill_hd64,
@@ -273,14 +274,19 @@ impl Gpu {
     /// Router logits `[n, rows]` (f32 SIMT, exact dequantisation) of f32 `xn` `[n, cols]`.
     pub fn router_rows(&self, m: &QMat, xn: &CudaSlice<f32>, n: usize, logits: &mut CudaSlice<f32>) -> Result<()> {
         ensure!(m.bits == 4 || m.bits == 8, "router_rows: {}-bit", m.bits);
-        ensure!(m.cols % (32 / m.bits as usize) == 0, "router_rows: cols {}", m.cols);
+        ensure!(
+            m.cols % 16 == 0 && m.gs >= 16,
+            "router_rows: cols {} / group size {} (need % 16, >= 16)",
+            m.cols,
+            m.gs
+        );
         ensure!(n > 0 && xn.len() >= n * m.cols && logits.len() >= n * m.rows, "router_rows: buffers");
         let glog = log2_exact(m.gs, "router_rows: group size")?;
         let (r, c, b, ni) = (m.rows as i32, m.cols as i32, m.bits as i32, n as i32);
         let mut l = self.launcher(&self.f.router_rows);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(&b).arg(&glog).arg(xn).arg(&ni).arg(&*logits);
-        // SAFETY: matches router_rows (prefill.cu); every load is bounds-checked against rows/cols/n in the kernel;
-        // buffers checked above.
+        // SAFETY: matches router_rows (prefill.cu); every load is bounds-checked against rows/cols/n in the kernel
+        // (16-column runs: cols % 16, one group per run); buffers checked above.
         unsafe { l.launch(cfg((m.rows.div_ceil(64) as u32, n.div_ceil(64) as u32), 256, 0)) }?;
         Ok(())
     }
@@ -410,14 +416,14 @@ impl Gpu {
         sc: &mut GdnChunkScratch,
     ) -> Result<()> {
         d.check()?;
-        ensure!(d.dk + d.dv <= 256, "gdn_chunk_prep: key + value head dims over 256");
+        ensure!(d.dk + d.dv <= 256 && d.dv % 4 == 0, "gdn_chunk_prep: key + value head dims over 256 (or dv % 4)");
         ensure!(
             n > 0 && qkv.len() >= n * d.conv_dim() && beta.len() >= n * d.hv && gl.len() >= n * d.hv,
             "gdn_chunk_prep: inputs"
         );
         let (u, w, p, g) = d.chunk_sizes(n);
         ensure!(sc.u.len() >= u && sc.w.len() >= w && sc.p.len() >= p && sc.g.len() >= g, "gdn_chunk_prep: scratch");
-        let smem = (GDN_CHUNK * (d.dk + 1) * 2 + GDN_CHUNK * (GDN_CHUNK + 1) + GDN_CHUNK * (d.dk + d.dv)) * 4;
+        let smem = (GDN_CHUNK * (d.dk + 4) * 2 + GDN_CHUNK * (GDN_CHUNK + 1) + GDN_CHUNK * (d.dk + d.dv)) * 4;
         let v = [n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
         let mut l = self.launcher(&self.f.gdn_chunk_prep);
         l.arg(qkv).arg(beta).arg(gl).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
@@ -428,30 +434,44 @@ impl Gpu {
         Ok(())
     }
 
-    /// Chunked delta rule, phase 2: the state through the chunks in order; `o` `[n, hv, dv]`, `state` updated.
+    /// Chunked delta rule, phase 2: the state through the chunks in order (gdn_chunk_state: `state` updated, each
+    /// chunk's starting state kept, D written over U), then every chunk's outputs in parallel (gdn_chunk_out):
+    /// `o` `[n, hv, dv]`.
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_chunk_scan(
         &self,
         qkv: &CudaSlice<f32>,
-        sc: &GdnChunkScratch,
+        sc: &mut GdnChunkScratch,
         n: usize,
         d: GdnDims,
         state: &mut CudaSlice<f32>,
         o: &mut CudaSlice<f32>,
     ) -> Result<()> {
         d.check()?;
+        ensure!(d.dv % 8 == 0, "gdn_chunk_scan: value head dim {} (needs % 8)", d.dv);
         let (u, w, p, g) = d.chunk_sizes(n);
-        ensure!(sc.u.len() >= u && sc.w.len() >= w && sc.p.len() >= p && sc.g.len() >= g, "gdn_chunk_scan: scratch");
+        let states = n.div_ceil(GDN_CHUNK) * d.hv * d.dk * d.dv;
+        ensure!(
+            sc.u.len() >= u && sc.w.len() >= w && sc.p.len() >= p && sc.g.len() >= g && sc.s.len() >= states,
+            "gdn_chunk_scan: scratch"
+        );
         ensure!(n > 0 && qkv.len() >= n * d.conv_dim(), "gdn_chunk_scan: qkv");
         ensure!(state.len() >= d.hv * d.dk * d.dv && o.len() >= n * d.hv * d.dv, "gdn_chunk_scan: state / output");
-        let smem = (d.dk * 32 + 3 * GDN_CHUNK * (d.dk + 4) + GDN_CHUNK * GDN_CHUNK + 2 * GDN_CHUNK * 32) * 4;
         let v = [n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
-        let mut l = self.launcher(&self.f.gdn_chunk_scan);
-        l.arg(qkv).arg(&sc.u).arg(&sc.w).arg(&sc.p).arg(&sc.g).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
-        l.arg(&*state).arg(&*o);
-        // SAFETY: matches gdn_chunk_scan (prefill.cu); grid (hv, ceil(dv/32)), dk <= 128 and % 4 (checked); shared
-        // memory as laid out there.
+        let smem = (d.dk * 32 + GDN_CHUNK * 32 + 2 * (2 * GDN_CHUNK * (d.dk + 4) + GDN_CHUNK * 32 + GDN_CHUNK)) * 4;
+        let mut l = self.launcher(&self.f.gdn_chunk_state);
+        l.arg(qkv).arg(&sc.u).arg(&sc.w).arg(&sc.g).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
+        l.arg(&sc.s).arg(&*state);
+        // SAFETY: matches gdn_chunk_state (prefill.cu); grid (hv, ceil(dv/32)), dk <= 128 and % 4, dv % 8 (checked);
+        // scratch sized for n tokens (checked), shared memory as laid out there (<= SMEM_MAX for dk <= 128).
         unsafe { l.launch(cfg((d.hv as u32, d.dv.div_ceil(32) as u32), 256, smem)) }?;
+        let smem = (GDN_CHUNK * (d.dk + 4) + d.dk * (d.dv + 4) + GDN_CHUNK * (d.dv + 4) + GDN_CHUNK * GDN_CHUNK) * 4;
+        let mut l = self.launcher(&self.f.gdn_chunk_out);
+        l.arg(qkv).arg(&sc.u).arg(&sc.p).arg(&sc.g).arg(&sc.s).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
+        l.arg(&*o);
+        // SAFETY: matches gdn_chunk_out (prefill.cu); grid (chunks, hv), 4 tokens x 8 columns per thread (dv <= 128,
+        // % 8); reads the D and chunk states gdn_chunk_state just wrote; shared memory as laid out there.
+        unsafe { l.launch(cfg((n.div_ceil(GDN_CHUNK) as u32, d.hv as u32), 256, smem)) }?;
         Ok(())
     }
 
@@ -619,18 +639,20 @@ impl MoeSorted {
     }
 }
 
-/// U, W, P, G of the chunked delta rule.
+/// U (then D), W, P, G and the chunks' starting states of the chunked delta rule.
 pub struct GdnChunkScratch {
     pub u: CudaSlice<f32>,
     pub w: CudaSlice<f32>,
     pub p: CudaSlice<f32>,
     pub g: CudaSlice<f32>,
+    pub s: CudaSlice<f32>,
 }
 
 impl GdnChunkScratch {
     pub fn new(gpu: &Gpu, d: GdnDims, cap: usize) -> Result<GdnChunkScratch> {
         let (u, w, p, g) = d.chunk_sizes(cap);
-        Ok(GdnChunkScratch { u: gpu.zeros(u)?, w: gpu.zeros(w)?, p: gpu.zeros(p)?, g: gpu.zeros(g)? })
+        let s = cap.div_ceil(GDN_CHUNK) * d.hv * d.dk * d.dv;
+        Ok(GdnChunkScratch { u: gpu.zeros(u)?, w: gpu.zeros(w)?, p: gpu.zeros(p)?, g: gpu.zeros(g)?, s: gpu.zeros(s)? })
     }
 }
 
@@ -708,6 +730,7 @@ impl Scratch {
         let hb = |n: usize| n * 2;
         f(self.ids.len() + self.x.len() + self.xn.len() + self.proj.len() + self.qkv.len() + self.beta.len())
             + f(self.gl.len() + self.chunks.u.len() + self.chunks.w.len() + self.chunks.p.len() + self.chunks.g.len())
+            + f(self.chunks.s.len())
             + f(self.o.len() + self.rlogits.len() + self.idx.len() + self.wts.len() + self.ybuf.len())
             + f(self.sorted.rowmap.len() + self.sorted.pos.len() + self.sorted.tiles.len())
             + hb(self.xb.len() + self.qb.len() + self.act.len())
@@ -850,7 +873,7 @@ impl DeviceState {
                     mark("gdn_chunk_prep")?;
                     g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, n, d, &mut sc.chunks)?;
                     mark("gdn_chunk_scan")?;
-                    g.gdn_chunk_scan(&sc.qkv, &sc.chunks, n, d, s, &mut sc.o)?;
+                    g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, n, d, s, &mut sc.o)?;
                     mark("gdn_ring+gated_norm")?;
                     g.gdn_ring(&sc.proj, ldp, d, pos0, n, ring)?;
                     g.gdn_gated_norm(&sc.o, &sc.proj, ldp, n, d, norm, eps, &mut sc.xb)?;

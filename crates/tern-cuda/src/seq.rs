@@ -1,10 +1,10 @@
-//! Per-sequence device state, the decode step (all layers, one token), its CUDA graph, and the backend.
+//! Per-sequence device state, the decode step (all layers, one token), its CUDA graph, and the device model
+//! handle (the engine's backend over it is in backend.rs).
 
 use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
 use cudarc::driver::{sys, CudaGraph, CudaSlice};
-use tern_engine::{Backend, Sequence};
 use tern_model::{Config, Weights};
 
 use crate::gpu::Gpu;
@@ -368,7 +368,7 @@ unsafe impl Send for CudaSequence {}
 impl CudaSequence {
     /// Read `ids` (checked against the vocabulary first): one token through the decode graph, several through
     /// the multi-token prefill kernels (never the decode graph once per prompt token).
-    fn read(&mut self, ids: &[u32]) -> Result<()> {
+    pub fn read(&mut self, ids: &[u32]) -> Result<()> {
         let g = &self.model.gpu;
         let vocab = self.model.config.vocab_size;
         ensure!(!ids.is_empty(), "forward needs at least one token");
@@ -388,44 +388,5 @@ impl CudaSequence {
     pub fn forward_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
         self.read(ids)?;
         self.model.gpu.download(&self.st.logits)
-    }
-}
-
-impl Sequence for CudaSequence {
-    fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        self.forward_ids(ids)
-    }
-    /// The step's own argmax (over the whole vocabulary, on the device): 4 bytes cross to the host instead of the
-    /// logits; only if it lands past `limit` (a padded row beyond the tokenizer's ids) are the logits fetched.
-    fn forward_argmax(&mut self, ids: &[u32], limit: usize) -> Result<Option<u32>> {
-        self.read(ids)?;
-        let g = &self.model.gpu;
-        let limit = limit.min(self.model.config.vocab_size);
-        let t = g.download(&self.st.tok)?[0] as usize;
-        if t < limit {
-            return Ok(Some(t as u32));
-        }
-        let logits = g.download(&self.st.logits)?;
-        let l = &logits[..limit];
-        Ok(Some(l.iter().enumerate().fold(0, |b, (i, &v)| if v > l[b] { i } else { b }) as u32))
-    }
-    fn len(&self) -> usize {
-        self.st.len
-    }
-    fn fork(&self) -> Box<dyn Sequence> {
-        let st = self.st.fork(&self.model.gpu).expect("CUDA: cannot fork sequence state (out of device memory?)");
-        Box::new(CudaSequence { model: self.model.clone(), st })
-    }
-}
-
-impl Backend for CudaBackend {
-    fn name(&self) -> &str {
-        "cuda"
-    }
-    fn vocab_size(&self) -> usize {
-        self.model.config.vocab_size
-    }
-    fn new_sequence(&self) -> Box<dyn Sequence> {
-        Box::new(self.new_cuda_sequence().expect("CUDA: cannot allocate sequence state"))
     }
 }

@@ -2,8 +2,9 @@
 //! pass on the same 4-bit weights. Without a CUDA device each test prints `NO GPU: <name> not run (no CUDA device)`
 //! and passes; `TERN_REQUIRE_CUDA=1` turns that into a failure.
 
-use tern_cuda::seq::CudaOptions;
-use tern_cuda::{gpu_or_skip, CudaBackend};
+use tern_cuda::seq::{CudaOptions, CudaSequence};
+use tern_cuda::{gpu_or_skip, CudaBackend, CudaSlots};
+use tern_engine::{AllocError, Backend, Output, Sample, SamplingParams, SeqId, Want, Work};
 use tern_model::forward::rms_norm;
 use tern_model::quant::QuantMatrix;
 use tern_model::{Logits, State};
@@ -95,7 +96,8 @@ fn decode_step_matches_cpu_forward_on_tiny_b() {
             println!("tiny-b step {t}: rel err {e:.2e}");
         }
         if t == 100 {
-            fork_at = Some((tern_engine::Sequence::fork(&seq), st.clone()));
+            let copy = seq.st.fork(&be.model.gpu).unwrap();
+            fork_at = Some((CudaSequence { model: seq.model.clone(), st: copy }, st.clone()));
         }
     }
     errs.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap());
@@ -112,38 +114,82 @@ fn decode_step_matches_cpu_forward_on_tiny_b() {
     let (mut f, mut fst) = fork_at.unwrap();
     let id = ids[101];
     let cpu = w.forward(&[id], &mut fst, Logits::Last);
-    let gpu = f.forward(&[id]).unwrap();
+    let gpu = f.forward_ids(&[id]).unwrap();
     let e = rel(&gpu, &cpu);
     println!("tiny-b fork at 101: rel err {e:.2e}");
     assert!(e < 3e-2);
 }
 
-/// The engine's greedy fast path: `forward_argmax` (the step's own device argmax, 4 bytes to the host) picks the
-/// same ids as the host argmax of `forward`'s logits, on twin sequences fed the same prompt and then their own
-/// picks; a limit below the vocabulary is honoured.
+/// One item of a step on `b`, as its output.
+fn step1(b: &CudaSlots, seq: SeqId, ids: &[u32], out: Want) -> Output {
+    b.step(&[Work { seq, ids, out }]).pop().unwrap().unwrap()
+}
+
+/// The engine's greedy fast path through the backend seam: a plain greedy `Sample` takes the step's own device
+/// argmax (4 bytes to the host) and picks the same ids as the host argmax of the logits, on twin sequences fed
+/// the same prompt and then their own picks; a limit below the vocabulary is honoured; a seeded draw repeats.
 #[test]
-fn forward_argmax_matches_host_argmax_of_the_logits() {
-    let Some(_g) = gpu_or_skip("forward_argmax_matches_host_argmax_of_the_logits") else { return };
+fn greedy_sample_takes_the_device_argmax_and_matches_the_host() {
+    let Some(_g) = gpu_or_skip("greedy_sample_takes_the_device_argmax_and_matches_the_host") else { return };
     let w = tiny_b_q4();
     let v = w.config.vocab_size;
-    let be = CudaBackend::new(&w, CudaOptions::with_context(128)).unwrap();
-    let (mut a, mut b) = (be.new_cuda_sequence().unwrap(), be.new_cuda_sequence().unwrap());
+    let b = CudaSlots::new(CudaBackend::new(&w, CudaOptions::with_context(128)).unwrap());
+    let (a, s) = (b.alloc(100).unwrap(), b.alloc(100).unwrap());
     let am = |x: &[f32]| x.iter().enumerate().fold(0, |m, (i, &y)| if y > x[m] { i } else { m }) as u32;
+    let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
+    let draw = |limit| Want::Sample(Sample { params: &greedy, seed: 1, history: &[], top_logprobs: None, limit });
+    let token = |o: Output| match o {
+        Output::Token(t) => t.token,
+        o => panic!("{o:?}"),
+    };
+    let logits = |o: Output| match o {
+        Output::Logits(l) => l,
+        o => panic!("{o:?}"),
+    };
     let prompt: Vec<u32> = (0..9u32).map(|i| (i * 37 + 5) % v as u32).collect();
-    let mut la = tern_engine::Sequence::forward(&mut a, &prompt).unwrap();
-    let mut tb = tern_engine::Sequence::forward_argmax(&mut b, &prompt, v).unwrap().unwrap();
+    let mut la = logits(step1(&b, a, &prompt, Want::Last));
+    let mut tb = token(step1(&b, s, &prompt, draw(v)));
     for step in 0..40 {
         let ta = am(&la);
         assert_eq!(ta, tb, "step {step}: host argmax {ta}, device argmax {tb}");
-        la = tern_engine::Sequence::forward(&mut a, &[ta]).unwrap();
-        tb = tern_engine::Sequence::forward_argmax(&mut b, &[tb], v).unwrap().unwrap();
+        la = logits(step1(&b, a, &[ta], Want::Last));
+        tb = token(step1(&b, s, &[tb], draw(v)));
     }
     // with the limit at the winner (so the winner is excluded), the answer is the argmax of the allowed prefix
     let id = am(&la);
-    let mut c = tern_engine::Sequence::fork(&a);
-    let lc = tern_engine::Sequence::forward(&mut a, &[id]).unwrap();
+    let c = b.fork(a, 100).unwrap();
+    let lc = logits(step1(&b, a, &[id], Want::Last));
     let lim = (am(&lc) as usize).max(1);
-    let tc = tern_engine::Sequence::forward_argmax(c.as_mut(), &[id], lim).unwrap().unwrap();
+    let tc = token(step1(&b, c, &[id], draw(lim)));
     assert_eq!(tc, am(&lc[..lim]), "limit {lim}");
-    println!("forward_argmax: 41 greedy ids identical to the host argmax; limit {lim} honoured (got {tc})");
+    println!("greedy Sample: 41 device-argmax ids identical to the host argmax; limit {lim} honoured (got {tc})");
+}
+
+/// Filling the GPU with sequences ends in `AllocError::Full` (never a panic); the sequences already there keep
+/// working, and freeing one makes room again.
+#[test]
+fn allocation_on_a_full_gpu_is_an_error_not_a_panic() {
+    let Some(_g) = gpu_or_skip("allocation_on_a_full_gpu_is_an_error_not_a_panic") else { return };
+    let w = tiny_b_q4();
+    // Large per-sequence KV caches, so that a few hundred sequences fill the device.
+    let b = CudaSlots::new(CudaBackend::new(&w, CudaOptions::with_context(1 << 20)).unwrap());
+    let mut seqs = vec![];
+    let err = loop {
+        match b.alloc(16) {
+            Ok(s) => seqs.push(s),
+            Err(e) => break e,
+        }
+        assert!(seqs.len() < 100_000, "the GPU never filled");
+    };
+    assert!(matches!(err, AllocError::Full { .. }), "{err:?}");
+    assert!(!seqs.is_empty());
+    println!("{} sequences of {} MB filled the GPU; then: {err}", seqs.len(), b.state_bytes(seqs[0]) >> 20);
+    assert!(matches!(b.fork(seqs[0], 16), Err(AllocError::Full { .. })));
+    // Room for one again (a graph of its own needs some device memory too): the others keep working.
+    b.free(seqs.pop().unwrap());
+    assert!(matches!(step1(&b, seqs[0], &[1, 2, 3], Want::Last), Output::Logits(_)));
+    b.free(seqs.pop().unwrap());
+    let again = b.alloc(16).unwrap();
+    assert!(matches!(step1(&b, again, &[4], Want::Nothing), Output::Nothing));
+    assert!(matches!(b.alloc(1 << 21), Err(AllocError::TooLarge { .. })));
 }

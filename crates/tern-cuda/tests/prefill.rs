@@ -409,7 +409,7 @@ fn gdn_chunked_matches_recurrence() {
             let dproj = g.upload(&proj).unwrap();
             g.gdn_prep(&dproj, ldp, &ring, conv, a_log, dt_bias, d, pos0, n, &mut qkv, &mut beta, &mut gl).unwrap();
             g.gdn_chunk_prep(&qkv, &beta, &gl, n, d, &mut chunks).unwrap();
-            g.gdn_chunk_scan(&qkv, &chunks, n, d, &mut state, &mut o).unwrap();
+            g.gdn_chunk_scan(&qkv, &mut chunks, n, d, &mut state, &mut o).unwrap();
             g.gdn_ring(&dproj, ldp, d, pos0, n, &mut ring).unwrap();
             g.gdn_gated_norm(&o, &dproj, ldp, n, d, norm, eps, &mut ob).unwrap();
             let (want_o, want_g) =
@@ -579,15 +579,30 @@ fn prefill_within_transformers_bf16_yardstick_tiny_b() {
     // the all-rows lm_head takes bf16 activations, the decode tail's GEMV f32: they agree to bf16 operands
     assert!(e_last < 1e-2, "the decode tail's logits differ from the prefill's last row: {e_last}");
 
-    // the same prompt in chunks of 16 (GDN chunks and attention over cached keys across the boundaries)
+    // the same prompt in chunks of 16 (GDN chunks and attention over cached keys across the boundaries): within
+    // the yardstick against the CPU holding its own routing, and identical to the one-pass logits (to f32 rounding)
+    // up to the first token where a near-tied expert choice went the other way
     m.set_prefill_chunk(16).unwrap();
     let mut seq2 = be.new_cuda_sequence().unwrap();
     let out2 = seq2.st.prefill(m, &ids, true, true).unwrap();
     m.set_prefill_chunk(tern_cuda::model::DEFAULT_PREFILL_CHUNK).unwrap();
-    let e_chunks = rel2(&out2.logits, &out.logits);
-    assert_eq!(out2.routes, out.routes, "chunked prefill routed differently");
-    println!("tiny-b prefill in chunks of 16 vs one pass: logits {e_chunks:.1e}");
-    assert!(e_chunks < 1e-4, "chunked prefill differs: {e_chunks}");
+    let mut held2 = State::new(c);
+    held2.routing.force = Some(out2.routes.clone());
+    let cpu2 = w.forward(&ids, &mut held2, Logits::All);
+    let (cm, cx, cdec, csame) = compare_rows(&out2.logits, &cpu2, v);
+    let first_flip = (0..n)
+        .find(|&t| out.routes.iter().zip(&out2.routes).any(|(a, b)| a[t * k..(t + 1) * k] != b[t * k..(t + 1) * k]));
+    let agree = first_flip.unwrap_or(n);
+    let e_chunks = rel2(&out2.logits[..agree * v], &out.logits[..agree * v]);
+    println!(
+        "tiny-b prefill in chunks of 16: held median {cm:.2e} max {cx:.2e}, argmax {csame}/{cdec}; vs one pass {e_chunks:.1e} \
+         over the {agree} positions before the first differing expert choice ({first_flip:?})"
+    );
+    assert!(cm <= ym && cx <= yx && csame == cdec, "chunked prefill vs CPU (held)");
+    assert!(
+        agree < 2 || e_chunks < 1e-4,
+        "chunked prefill differs from one pass before any routing difference: {e_chunks}"
+    );
 
     // prefill(67) then decode one token at a time, the CPU held on both parts
     let split = 67;

@@ -1,66 +1,389 @@
-//! What the engine needs from a backend: sequences that read token ids and return the next token's logits.
+//! The seam between the engine and a backend: the backend owns the state of every sequence and runs one step
+//! over many of them at once.
+//!
+//! # Contract
+//!
+//! * **Sequences are ids.** A backend keeps each sequence's state (KV cache, conv and recurrent state) and hands
+//!   out [`SeqId`]s, never reused. [`Backend::alloc`] makes an empty sequence, [`Backend::fork`] an independent
+//!   copy of one (the prefix cache's snapshots and hits), [`Backend::free`] drops one (any id, any number of
+//!   times: unknown ids are ignored).
+//! * **Room is reserved, and running out is an answer, not a panic.** `alloc` and `fork` take the most tokens the
+//!   new sequence will ever hold (prompt + completion) and reserve room for them, so a step never runs out of
+//!   memory half-way through a reply. Without room they return [`AllocError::Full`] (wait: freeing other
+//!   sequences may make room) or [`AllocError::TooLarge`] (never: refuse the request). This is how the engine
+//!   admits requests: by the backend's free state, not by a count.
+//! * **One step, many sequences.** [`Backend::step`] takes [`Work`] items — for each, the sequence, the ids it
+//!   reads after what it holds (a prompt chunk or one decoded token), and what to return ([`Want`]: nothing,
+//!   the last or every logits row, or a sampled token) — and returns one result per item, in order. A sequence
+//!   appears at most once per step. The backend computes the step as one batch where it can (the CPU backend
+//!   reads every weight once for all rows of all items).
+//! * **Results are per item.** An item's error (an unknown sequence, no ids, an id outside the vocabulary, more
+//!   tokens than reserved, a device error) fails that item only; the others are computed as if it were not
+//!   there. After an error the failed sequence's state is unspecified: the engine frees it.
+//! * **A sequence's results do not depend on its company.** Reading the same ids in the same order gives the same
+//!   results whatever else is in the step and however the ids are split into steps: bit for bit on the CPU
+//!   backend ([`tern_model::Weights::forward_batch`]); a backend that cannot promise bits states its tolerance.
+//! * **Sampling is behind the seam.** [`Want::Sample`] carries the request's parameters, the seed of this draw,
+//!   the tokens penalties count, how many top log-probabilities to return and the id limit past which logits
+//!   rows are embedding padding (never sampled). The draw is a function of the logits and these alone, so the
+//!   same seed gives the same id on the same backend, also when a step is retried. The CPU backend samples with
+//!   [`sample_host`] (tern-text's sampler); a GPU backend may sample on the device.
+//! * **Panics.** A step may panic (a bug). The engine catches it; every sequence in that step may then have lost
+//!   or half-updated state, so the engine frees them all and goes on with fresh sequences. A backend must stay
+//!   usable after a panicking step: no lock held across model code, nothing left poisoned ([`Slots`] does this
+//!   for the backends here).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use anyhow::Result;
+use anyhow::{anyhow, bail, Result};
+use rayon::prelude::*;
+use tern_model::forward::Part;
 use tern_model::{Logits, State, Weights};
+use tern_text::{Sampler, SamplingParams};
 
-/// One sequence's state on a backend (KV cache, conv and recurrent state).
-pub trait Sequence: Send {
-    /// Read `ids` after what the sequence holds; return the logits `[vocab]` after the last one.
-    fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>>;
-    /// Greedy decoding without moving the logits: read `ids` and return the index of the largest of the first
-    /// `limit` logits after the last one (ties: the lower index), where the backend finds it next to the logits
-    /// (the CUDA step computes it on the device, so only the id crosses to the host). `None`, having read nothing:
-    /// the backend has no such path; use [`Sequence::forward`].
-    fn forward_argmax(&mut self, _ids: &[u32], _limit: usize) -> Result<Option<u32>> {
-        Ok(None)
+/// A sequence on a backend. Ids are never reused, so a stale id names nothing rather than someone else's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sequence {}", self.0)
     }
-    /// Tokens read so far.
-    fn len(&self) -> usize;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
+}
+
+/// Why [`Backend::alloc`] or [`Backend::fork`] made no sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AllocError {
+    /// Not now: the state other sequences hold is in the way (`need` bytes, `free` free); freeing some makes room.
+    Full { need: usize, free: usize },
+    /// Never: a sequence of `tokens` tokens is more than this backend can hold (`max_tokens` at most; 0: not even
+    /// an empty one).
+    TooLarge { tokens: usize, max_tokens: usize },
+    /// `fork` of an id the backend does not hold.
+    Unknown(SeqId),
+    /// The backend failed for another reason (a device error).
+    Failed(String),
+}
+
+impl std::fmt::Display for AllocError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AllocError::Full { need, free } => write!(
+                f,
+                "no room for another sequence now: it needs {:.1} MiB of state, {:.1} MiB are free",
+                *need as f64 / 1048576.0,
+                *free as f64 / 1048576.0
+            ),
+            AllocError::TooLarge { tokens, max_tokens: 0 } => {
+                write!(f, "this backend has no room for a sequence of {tokens} tokens, nor for any sequence")
+            }
+            AllocError::TooLarge { tokens, max_tokens } => write!(
+                f,
+                "a sequence of {tokens} tokens (prompt + max_tokens) does not fit: this backend holds at most \
+                 {max_tokens} tokens per sequence"
+            ),
+            AllocError::Unknown(id) => write!(f, "no {id} on this backend"),
+            AllocError::Failed(e) => write!(f, "cannot allocate a sequence: {e}"),
+        }
     }
-    /// An independent copy of the state (for the prefix cache).
-    fn fork(&self) -> Box<dyn Sequence>;
+}
+
+impl std::error::Error for AllocError {}
+
+/// One sequence's part of a step.
+pub struct Work<'a> {
+    pub seq: SeqId,
+    /// Read after what the sequence holds (at least one id).
+    pub ids: &'a [u32],
+    pub out: Want<'a>,
+}
+
+/// What a [`Work`] item returns.
+pub enum Want<'a> {
+    /// Nothing ([`Output::Nothing`]): a prompt chunk that does not end the prompt.
+    Nothing,
+    /// The logits after the last id, `[vocab]` ([`Output::Logits`]).
+    Last,
+    /// The logits after every id, `[ids.len(), vocab]` ([`Output::Logits`]).
+    All,
+    /// A token drawn from the logits after the last id ([`Output::Token`]).
+    Sample(Sample<'a>),
+}
+
+/// How to draw a token.
+pub struct Sample<'a> {
+    /// Temperature, top-k/p, min-p, penalties, logit bias; `params.seed` is not read (see `seed`).
+    pub params: &'a SamplingParams,
+    /// The seed of this draw: the same seed (with the same logits and parameters) gives the same id.
+    pub seed: u64,
+    /// The tokens repetition, presence and frequency penalties count (the reply so far).
+    pub history: &'a [u32],
+    /// Also return the chosen token's log-probability and this many of the most likely tokens'.
+    pub top_logprobs: Option<usize>,
+    /// Ids at or above this are embedding padding past the tokenizer's last id: never drawn, not in logprobs.
+    pub limit: usize,
+}
+
+impl Sample<'_> {
+    /// Whether the draw is the plain argmax of the first `limit` logits (temperature 0, no penalty or bias, no
+    /// logprobs), which a backend may find where the logits are instead of moving them.
+    pub fn is_argmax(&self) -> bool {
+        self.top_logprobs.is_none()
+            && Sampler::new(SamplingParams { seed: Some(0), ..self.params.clone() }).is_plain_greedy()
+    }
+}
+
+/// What one [`Work`] item produced.
+#[derive(Debug, PartialEq)]
+pub enum Output {
+    Nothing,
+    Logits(Vec<f32>),
+    Token(Sampled),
+}
+
+/// A drawn token and, when asked, log-probabilities of the model's distribution (before penalties and
+/// temperature).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<TokenLogprob>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// The most likely tokens at this position, best first.
+    pub top: Vec<(u32, f32)>,
 }
 
 pub trait Backend: Send + Sync {
     /// "cpu", "cuda", ...
     fn name(&self) -> &str;
+    /// Rows of logits (the model's vocabulary, embedding padding included).
     fn vocab_size(&self) -> usize;
-    fn new_sequence(&self) -> Box<dyn Sequence>;
+    /// A new empty sequence with room for `tokens` tokens.
+    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError>;
+    /// A new sequence holding a copy of `seq`'s state, with room for `tokens` tokens (at least what it holds).
+    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError>;
+    /// Drop a sequence's state (unknown ids: nothing happens).
+    fn free(&self, seq: SeqId);
+    /// Tokens the sequence has read (`None`: unknown id).
+    fn len(&self, seq: SeqId) -> Option<usize>;
+    /// Bytes of memory the sequence's state takes now (0 for an unknown id): what the prefix cache counts.
+    fn state_bytes(&self, seq: SeqId) -> usize;
+    /// Run one step: one result per item, in order (see the module documentation).
+    fn step(&self, work: &[Work]) -> Vec<Result<Output>>;
 }
 
-/// The CPU backend: the reference forward pass on all cores.
+/// Read `ids` into `seq` as a step of its own and return its logits: every row (`all`) or the last.
+pub fn read_logits(b: &dyn Backend, seq: SeqId, ids: &[u32], all: bool) -> Result<Vec<f32>> {
+    let out = if all { Want::All } else { Want::Last };
+    match b.step(&[Work { seq, ids, out }]).pop() {
+        Some(Ok(Output::Logits(l))) => Ok(l),
+        Some(Ok(o)) => bail!("the backend returned {o:?} for logits"),
+        Some(Err(e)) => Err(e),
+        None => bail!("the backend returned no result"),
+    }
+}
+
+/// The host sampler behind [`Want::Sample`]: padding rows masked, log-probabilities of the raw distribution,
+/// then tern-text's sampler seeded with the draw's seed. `logits` is modified.
+pub fn sample_host(logits: &mut [f32], s: &Sample) -> Result<Sampled> {
+    if logits.is_empty() {
+        bail!("no logits to sample from");
+    }
+    let limit = s.limit.clamp(1, logits.len());
+    logits[limit..].fill(f32::NEG_INFINITY);
+    let logprob = s.top_logprobs.map(|k| {
+        let l = &logits[..limit];
+        let m = l.iter().fold(f32::NEG_INFINITY, |x, &y| x.max(y));
+        let lse = m + l.iter().map(|v| (v - m).exp()).sum::<f32>().ln();
+        let mut idx: Vec<usize> = (0..limit).collect();
+        let k = k.min(limit);
+        if k > 0 {
+            idx.select_nth_unstable_by(k - 1, |&i, &j| l[j].total_cmp(&l[i]));
+        }
+        idx.truncate(k);
+        idx.sort_by(|&i, &j| l[j].total_cmp(&l[i]).then(i.cmp(&j)));
+        (lse, idx.iter().map(|&i| (i as u32, l[i] - lse)).collect::<Vec<_>>())
+    });
+    // A top-k of at least every candidate is no cut at all (and the one-pass top-k is quadratic in k).
+    let top_k = if s.params.top_k >= limit { 0 } else { s.params.top_k };
+    let params = SamplingParams { seed: Some(s.seed), top_k, ..s.params.clone() };
+    let raw = logprob.as_ref().map(|_| logits[..limit].to_vec());
+    let token = Sampler::new(params).sample(&mut logits[..limit], s.history);
+    let logprob =
+        logprob.zip(raw).map(|((lse, top), raw)| TokenLogprob { token, logprob: raw[token as usize] - lse, top });
+    Ok(Sampled { token, logprob })
+}
+
+/// Sampling, logits copy or nothing, as `want` asks, from the rows a step computed; a panic in the sampler fails
+/// this item only.
+fn finish_item(want: &Want, mut logits: Vec<f32>) -> Result<Output> {
+    match want {
+        Want::Nothing => Ok(Output::Nothing),
+        Want::Last | Want::All => Ok(Output::Logits(logits)),
+        Want::Sample(s) => match catch_unwind(AssertUnwindSafe(|| sample_host(&mut logits, s))) {
+            Ok(r) => r.map(Output::Token),
+            Err(p) => Err(anyhow!("the sampler failed: {}", panic_message(&*p))),
+        },
+    }
+}
+
+/// The text of a panic payload.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// The sequence table of a backend: states by id, with the room each reserved. States are taken out for a step
+/// and put back after it ([`Table::take`], [`Table::put`]), so the table is never locked while model code runs: a
+/// panic there loses the states it held (their ids then fail with "lost") and poisons nothing.
+pub struct Slots<S> {
+    table: Mutex<Table<S>>,
+}
+
+pub struct Table<S> {
+    next: u64,
+    live: HashMap<u64, Slot<S>>,
+    reserved_bytes: usize,
+}
+
+pub struct Slot<S> {
+    /// `None` while a step has it, or after a step that had it panicked.
+    pub state: Option<S>,
+    /// Tokens reserved.
+    pub tokens: usize,
+    /// Bytes reserved.
+    pub bytes: usize,
+}
+
+impl<S> Default for Slots<S> {
+    fn default() -> Self {
+        Slots { table: Mutex::new(Table { next: 1, live: HashMap::new(), reserved_bytes: 0 }) }
+    }
+}
+
+impl<S> Slots<S> {
+    pub fn lock(&self) -> MutexGuard<'_, Table<S>> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<S> Table<S> {
+    pub fn insert(&mut self, state: S, tokens: usize, bytes: usize) -> SeqId {
+        let id = self.next;
+        self.next += 1;
+        self.reserved_bytes += bytes;
+        self.live.insert(id, Slot { state: Some(state), tokens, bytes });
+        SeqId(id)
+    }
+
+    pub fn remove(&mut self, id: SeqId) -> Option<Slot<S>> {
+        let slot = self.live.remove(&id.0)?;
+        self.reserved_bytes -= slot.bytes;
+        Some(slot)
+    }
+
+    pub fn get(&self, id: SeqId) -> Option<&Slot<S>> {
+        self.live.get(&id.0)
+    }
+
+    /// Bytes reserved by every sequence.
+    pub fn reserved_bytes(&self) -> usize {
+        self.reserved_bytes
+    }
+
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    /// The states of a step's items, with their reserved tokens; `Err` for an unknown id, a sequence given twice,
+    /// or one whose state a panicking step lost.
+    pub fn take(&mut self, work: &[Work]) -> Vec<Result<(S, usize)>> {
+        let mut seen = std::collections::HashSet::new();
+        work.iter()
+            .map(|w| {
+                let slot = self.live.get_mut(&w.seq.0).ok_or_else(|| anyhow!("no {} on this backend", w.seq))?;
+                if !seen.insert(w.seq) {
+                    bail!("{} appears twice in one step", w.seq);
+                }
+                let st =
+                    slot.state.take().ok_or_else(|| anyhow!("the state of {} was lost in a failed step", w.seq))?;
+                Ok((st, slot.tokens))
+            })
+            .collect()
+    }
+
+    /// Return a state taken for a step (a freed id: the state is dropped).
+    pub fn put(&mut self, id: SeqId, state: S) {
+        if let Some(slot) = self.live.get_mut(&id.0) {
+            slot.state = Some(state);
+        }
+    }
+}
+
+/// Checks every backend makes of an item before reading it: some ids, all in the vocabulary, within the room
+/// reserved (`len` tokens held, `reserved` reserved).
+pub fn check_item(w: &Work, vocab: usize, len: usize, reserved: usize) -> Result<()> {
+    if w.ids.is_empty() {
+        bail!("a step item with no ids for {}", w.seq);
+    }
+    if let Some(bad) = w.ids.iter().find(|&&i| i as usize >= vocab) {
+        bail!("token id {bad} is outside the vocabulary (size {vocab})");
+    }
+    if len + w.ids.len() > reserved {
+        bail!("{} would hold {} tokens, more than the {reserved} reserved for it", w.seq, len + w.ids.len());
+    }
+    Ok(())
+}
+
+/// The CPU backend: the reference forward pass on all cores, one [`Weights::forward_batch`] per step.
 pub struct CpuBackend {
     weights: Arc<Weights>,
+    /// Bytes of sequence state it may hold (`None`: no limit but the machine's).
+    capacity: Option<usize>,
+    slots: Slots<State>,
 }
 
 impl CpuBackend {
-    pub fn new(weights: Weights) -> CpuBackend {
-        CpuBackend { weights: Arc::new(weights) }
+    /// No limit on sequence state beyond the machine's memory (the engine's `max_concurrent` bounds it).
+    pub fn new(weights: impl Into<Arc<Weights>>) -> CpuBackend {
+        CpuBackend { weights: weights.into(), capacity: None, slots: Slots::default() }
     }
-}
 
-struct CpuSequence {
-    weights: Arc<Weights>,
-    state: State,
-}
+    /// At most `bytes` of sequence state ([`State::bytes_for`] of each sequence's reserved tokens).
+    pub fn with_capacity(weights: impl Into<Arc<Weights>>, bytes: usize) -> CpuBackend {
+        CpuBackend { capacity: Some(bytes), ..CpuBackend::new(weights) }
+    }
 
-impl Sequence for CpuSequence {
-    fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let vocab = self.weights.config.vocab_size;
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            anyhow::bail!("token id {bad} is outside the vocabulary (size {vocab})");
+    pub fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    fn reserve(&self, t: &Table<State>, tokens: usize) -> Result<usize, AllocError> {
+        let c = &self.weights.config;
+        let need = State::bytes_for(c, tokens);
+        let Some(cap) = self.capacity else { return Ok(need) };
+        if need > cap {
+            let (fixed, per_token) = (State::bytes_for(c, 0), State::bytes_for(c, 1) - State::bytes_for(c, 0));
+            let max_tokens = cap.saturating_sub(fixed).checked_div(per_token).unwrap_or(usize::MAX);
+            return Err(AllocError::TooLarge { tokens, max_tokens: if cap < fixed { 0 } else { max_tokens } });
         }
-        Ok(self.weights.forward(ids, &mut self.state, Logits::Last))
-    }
-    fn len(&self) -> usize {
-        self.state.pos
-    }
-    fn fork(&self) -> Box<dyn Sequence> {
-        Box::new(CpuSequence { weights: self.weights.clone(), state: self.state.clone() })
+        let free = cap.saturating_sub(t.reserved_bytes());
+        if need > free {
+            return Err(AllocError::Full { need, free });
+        }
+        Ok(need)
     }
 }
 
@@ -68,47 +391,116 @@ impl Backend for CpuBackend {
     fn name(&self) -> &str {
         "cpu"
     }
+
     fn vocab_size(&self) -> usize {
         self.weights.config.vocab_size
     }
-    fn new_sequence(&self) -> Box<dyn Sequence> {
-        Box::new(CpuSequence { weights: self.weights.clone(), state: State::new(&self.weights.config) })
+
+    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
+        let mut t = self.slots.lock();
+        let bytes = self.reserve(&t, tokens)?;
+        Ok(t.insert(State::new(&self.weights.config), tokens, bytes))
+    }
+
+    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
+        let mut t = self.slots.lock();
+        let st = t.get(seq).and_then(|s| s.state.clone()).ok_or(AllocError::Unknown(seq))?;
+        let tokens = tokens.max(st.pos);
+        let bytes = self.reserve(&t, tokens)?;
+        Ok(t.insert(st, tokens, bytes))
+    }
+
+    fn free(&self, seq: SeqId) {
+        let slot = self.slots.lock().remove(seq);
+        drop(slot); // outside the lock
+    }
+
+    fn len(&self, seq: SeqId) -> Option<usize> {
+        self.slots.lock().get(seq)?.state.as_ref().map(|s| s.pos)
+    }
+
+    fn state_bytes(&self, seq: SeqId) -> usize {
+        self.len(seq).map_or(0, |n| State::bytes_for(&self.weights.config, n))
+    }
+
+    fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
+        let vocab = self.vocab_size();
+        let mut results: Vec<Option<Result<Output>>> = work.iter().map(|_| None).collect();
+        let mut taken: Vec<(usize, State)> = Vec::with_capacity(work.len());
+        {
+            let mut t = self.slots.lock();
+            for (i, (w, got)) in work.iter().zip(t.take(work)).enumerate() {
+                match got.and_then(|(st, reserved)| match check_item(w, vocab, st.pos, reserved) {
+                    Ok(()) => Ok(st),
+                    Err(e) => {
+                        t.put(w.seq, st);
+                        Err(e)
+                    }
+                }) {
+                    Ok(st) => taken.push((i, st)),
+                    Err(e) => results[i] = Some(Err(e)),
+                }
+            }
+        }
+        let logits = {
+            let mut parts: Vec<Part> = taken
+                .iter_mut()
+                .map(|(i, st)| {
+                    let w = &work[*i];
+                    let logits = match w.out {
+                        Want::Nothing => Logits::Skip,
+                        Want::All => Logits::All,
+                        Want::Last | Want::Sample(_) => Logits::Last,
+                    };
+                    Part { ids: w.ids, state: st, logits }
+                })
+                .collect();
+            self.weights.forward_batch(&mut parts)
+        };
+        let idx: Vec<usize> = taken.iter().map(|(i, _)| *i).collect();
+        {
+            let mut t = self.slots.lock();
+            for (i, st) in taken {
+                t.put(work[i].seq, st);
+            }
+        }
+        let done: Vec<Result<Output>> =
+            idx.par_iter().zip(logits).map(|(&i, l)| finish_item(&work[i].out, l)).collect();
+        for (&i, r) in idx.iter().zip(done) {
+            results[i] = Some(r);
+        }
+        results.into_iter().map(|r| r.unwrap_or_else(|| Err(anyhow!("internal: step item without a result")))).collect()
     }
 }
 
 /// A backend that emits a fixed token script whatever the prompt: for testing the text and HTTP paths
 /// (reasoning, tool calls) with exact model output. Token `i` of the reply is `script[i]`, then the last id
-/// repeats; a read of several ids (a prompt chunk) starts the reply over, so a prompt read in chunks or partly
-/// from the prefix cache gets the same reply.
+/// repeats; the reply starts over after a read of several ids, a prompt chunk ([`Want::Nothing`]) or a fork, so a
+/// prompt read in chunks or partly from the prefix cache gets the same reply. Its logits put 30 on the scripted
+/// id and 0 elsewhere; tokens are drawn from them by [`sample_host`].
 pub struct ScriptedBackend {
-    pub vocab: usize,
-    pub script: Vec<u32>,
+    vocab: usize,
+    script: Vec<u32>,
+    slots: Slots<Scripted>,
 }
 
-struct ScriptedSequence {
-    vocab: usize,
-    script: Arc<Vec<u32>>,
+#[derive(Clone)]
+struct Scripted {
     read: usize,
     calls: usize,
 }
 
-impl Sequence for ScriptedSequence {
-    fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        self.read += ids.len();
-        if ids.len() > 1 {
-            self.calls = 0;
-        }
-        let next = self.script[self.calls.min(self.script.len() - 1)];
-        self.calls += 1;
+impl ScriptedBackend {
+    pub fn new(vocab: usize, script: Vec<u32>) -> ScriptedBackend {
+        ScriptedBackend { vocab, script, slots: Slots::default() }
+    }
+
+    fn logits(&self, next: u32) -> Vec<f32> {
         let mut logits = vec![0.0; self.vocab];
-        logits[next as usize] = 30.0;
-        Ok(logits)
-    }
-    fn len(&self) -> usize {
-        self.read
-    }
-    fn fork(&self) -> Box<dyn Sequence> {
-        Box::new(ScriptedSequence { vocab: self.vocab, script: self.script.clone(), read: self.read, calls: 0 })
+        if let Some(l) = logits.get_mut(next as usize) {
+            *l = 30.0;
+        }
+        logits
     }
 }
 
@@ -116,11 +508,63 @@ impl Backend for ScriptedBackend {
     fn name(&self) -> &str {
         "scripted"
     }
+
     fn vocab_size(&self) -> usize {
         self.vocab
     }
-    fn new_sequence(&self) -> Box<dyn Sequence> {
-        assert!(!self.script.is_empty(), "ScriptedBackend needs a non-empty script");
-        Box::new(ScriptedSequence { vocab: self.vocab, script: Arc::new(self.script.clone()), read: 0, calls: 0 })
+
+    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
+        Ok(self.slots.lock().insert(Scripted { read: 0, calls: 0 }, tokens, 0))
+    }
+
+    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
+        let mut t = self.slots.lock();
+        let s = t.get(seq).and_then(|s| s.state.clone()).ok_or(AllocError::Unknown(seq))?;
+        Ok(t.insert(Scripted { read: s.read, calls: 0 }, tokens.max(s.read), 0))
+    }
+
+    fn free(&self, seq: SeqId) {
+        self.slots.lock().remove(seq);
+    }
+
+    fn len(&self, seq: SeqId) -> Option<usize> {
+        self.slots.lock().get(seq)?.state.as_ref().map(|s| s.read)
+    }
+
+    fn state_bytes(&self, seq: SeqId) -> usize {
+        self.len(seq).map_or(0, |n| 64 + 4 * n)
+    }
+
+    fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
+        // The scripted id of each item, under the lock; the sampling after it.
+        let next: Vec<Result<u32>> = {
+            let mut t = self.slots.lock();
+            let taken = t.take(work);
+            work.iter()
+                .zip(taken)
+                .map(|(w, got)| {
+                    let (mut s, reserved) = got?;
+                    let checked = check_item(w, self.vocab, s.read, reserved);
+                    if checked.is_ok() {
+                        s.read += w.ids.len();
+                        if w.ids.len() > 1 || matches!(w.out, Want::Nothing) {
+                            s.calls = 0;
+                        }
+                    }
+                    let next = self.script.get(s.calls.min(self.script.len().saturating_sub(1))).copied();
+                    s.calls += 1;
+                    t.put(w.seq, s);
+                    checked?;
+                    next.ok_or_else(|| anyhow!("the scripted backend has an empty script"))
+                })
+                .collect()
+        };
+        work.iter()
+            .zip(next)
+            .map(|(w, next)| {
+                let rows = if matches!(w.out, Want::All) { w.ids.len() } else { 1 };
+                finish_item(&w.out, self.logits(next?).repeat(rows))
+            })
+            .collect()
     }
 }

@@ -1,36 +1,78 @@
-//! The engine: a queue of generation requests served by one scheduler thread that interleaves all active
-//! sequences fairly (one prefill chunk or one decoded token per sequence per round), streams events back, and
-//! keeps a prefix cache of sequence states across requests.
+//! The engine: a queue of generation requests served by one scheduler thread with continuous batching, streaming
+//! events back, and a prefix cache of sequence states across requests.
 //!
-//! A request whose receiver is dropped (client gone) is cancelled at its next step and its state freed.
+//! # Scheduling
+//!
+//! Every iteration is one backend step ([`Backend::step`]) over many sequences, within a budget of
+//! [`EngineConfig::step_tokens`] tokens:
+//!
+//! 1. every running decode reads its one token (all of them, round-robin if they alone exceed the budget);
+//! 2. prompts being read get the budget left, in admission order, a chunk each (a chunk also ends at the prompt's
+//!    snapshot point, see below);
+//! 3. while budget is left, waiting requests are admitted in arrival order and read their first chunk in the same
+//!    step. Admission is by the backend's free state: a sequence reserves room for prompt + `max_tokens`
+//!    ([`Backend::alloc`]); when the backend is full, prefix-cache snapshots are evicted to make room, and if
+//!    there still is none the request waits for running ones to finish (or is refused with the backend's reason
+//!    when nothing is running or it can never fit). [`EngineConfig::max_concurrent`] is an upper bound on top.
+//!
+//! So a running stream gets a token in every step, and a long prompt costs it at most one step's budget of
+//! prompt tokens per token.
+//!
+//! # Cancellation and failures
+//!
+//! Dropping a request's [`Events`] cancels it: a queued request leaves the queue at once (it stops counting as
+//! waiting in the same instant and is never computed), a running one is freed before its next step. An error for
+//! one item of a step fails that request only (an `Error` event). A step that panics is caught: alone, its one
+//! request fails; batched, its members' states are freed (they may be half-updated) and each member is replayed
+//! alone into a fresh sequence — its prompt and reply so far re-read, bit-identical — before it rejoins the batch;
+//! a member that panics alone fails. The scheduler goes on either way; [`Engine::is_running`] says whether it has
+//! stopped.
+//!
+//! # Prefix cache
+//!
+//! Snapshots of sequence states by the tokens they have read, taken at the start of the turn being generated (the
+//! last `<|im_start|>` of the prompt: a chat or agent loop resends everything before it) and at the end of every
+//! finished reply (prompt + reply). A request whose prompt starts with a snapshot's tokens forks it and reads only
+//! the rest (`cached_tokens` in its usage). Bounded by [`EngineConfig::prefix_cache_bytes`] of backend state;
+//! what saves the least prefill per byte, discounted by how long ago it was last useful, is evicted first.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvError, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use tern_text::{DetokConfig, Detokenizer, Finish, Sampler, SamplingParams, Tokenizer, IM_START_ID};
+use anyhow::Result;
+use tern_text::{DetokConfig, Detokenizer, Finish, SamplingParams, Tokenizer, IM_START_ID};
 
-use crate::backend::{Backend, Sequence};
+use crate::backend::{panic_message, AllocError, Backend, Output, Sample, SeqId, TokenLogprob, Want, Work};
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     /// Context length: prompt + generated tokens of one sequence.
     pub ctx_size: usize,
-    /// Sequences decoded at once; the rest wait in the queue.
+    /// At most this many sequences run at once (within it, admission is by the backend's free state); 64.
     pub max_concurrent: usize,
-    /// Requests waiting beyond the active ones before `submit` answers `QueueFull`.
+    /// Requests waiting beyond the running ones before `submit` answers `QueueFull`.
     pub max_queue: usize,
-    /// Prompt tokens read per scheduler round (keeps other sequences streaming during a long prefill).
-    pub prefill_chunk: usize,
-    /// Sequence states kept for reuse by later requests that start with the same tokens.
-    pub prefix_cache_entries: usize,
+    /// Tokens one backend step reads, all sequences together: running decodes first, then prompt chunks; 512 (the
+    /// most prompt tokens a running stream waits for between two of its tokens).
+    pub step_tokens: usize,
+    /// Bytes of backend state the prefix cache may keep (0: no cache); 4 GiB (≈ 40 snapshots of the full model
+    /// at 1k tokens on the CPU, ≈ 18 on the interim CUDA backend at an 8k context).
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { ctx_size: 32768, max_concurrent: 8, max_queue: 64, prefill_chunk: 512, prefix_cache_entries: 8 }
+        EngineConfig {
+            ctx_size: 32768,
+            max_concurrent: 64,
+            max_queue: 64,
+            step_tokens: 512,
+            prefix_cache_bytes: 4 << 30,
+        }
     }
 }
 
@@ -44,14 +86,6 @@ pub struct Request {
     pub stop_ids: Vec<u32>,
     /// Return the log-probability of each token and this many alternatives.
     pub logprobs: Option<usize>,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-    /// The most likely tokens at this position, best first.
-    pub top: Vec<(u32, f32)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -135,23 +169,134 @@ pub struct Stats {
     pub ttft_count: AtomicU64,
     /// Time spent generating tokens after the first, microseconds.
     pub decode_us: AtomicU64,
+    /// Requests queued (a request whose client has gone stops counting at once).
     pub waiting: AtomicUsize,
     pub active: AtomicUsize,
+    /// Backend steps run.
+    pub steps: AtomicU64,
+    /// Snapshots in the prefix cache and the bytes of state they hold.
+    pub prefix_cache_entries: AtomicUsize,
+    pub prefix_cache_bytes: AtomicUsize,
+}
+
+const QUEUED: u8 = 0;
+const TAKEN: u8 = 1;
+const GONE: u8 = 2;
+
+/// Where a request stands, shared by its [`Events`] (the client) and the scheduler.
+struct Ticket {
+    state: AtomicU8,
+    stats: Arc<Stats>,
+}
+
+impl Ticket {
+    /// The client is gone: a queued request stops counting as waiting now.
+    fn cancel(&self) {
+        if self.state.swap(GONE, Ordering::SeqCst) == QUEUED {
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The scheduler takes the request off the queue; false if its client has gone.
+    fn take(&self) -> bool {
+        let taken = self.state.compare_exchange(QUEUED, TAKEN, Ordering::SeqCst, Ordering::SeqCst).is_ok();
+        if taken {
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+        taken
+    }
+
+    fn gone(&self) -> bool {
+        self.state.load(Ordering::SeqCst) == GONE
+    }
+}
+
+/// The events of one request, in order: tokens, then `Done` or `Error`. Dropping it cancels the request.
+pub struct Events {
+    rx: Receiver<Event>,
+    ticket: Arc<Ticket>,
+}
+
+impl Events {
+    pub fn recv(&self) -> Result<Event, RecvError> {
+        self.rx.recv()
+    }
+
+    pub fn try_recv(&self) -> Result<Event, TryRecvError> {
+        self.rx.try_recv()
+    }
+
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Event, RecvTimeoutError> {
+        self.rx.recv_timeout(timeout)
+    }
+
+    pub fn iter(&self) -> mpsc::Iter<'_, Event> {
+        self.rx.iter()
+    }
+}
+
+impl std::fmt::Debug for Events {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Events").finish_non_exhaustive()
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        self.ticket.cancel();
+    }
+}
+
+impl<'a> IntoIterator for &'a Events {
+    type Item = Event;
+    type IntoIter = mpsc::Iter<'a, Event>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.rx.iter()
+    }
+}
+
+/// The events of a request until its last; dropping it cancels the request.
+pub struct EventsIter(Events);
+
+impl Iterator for EventsIter {
+    type Item = Event;
+    fn next(&mut self) -> Option<Event> {
+        self.0.rx.recv().ok()
+    }
+}
+
+impl IntoIterator for Events {
+    type Item = Event;
+    type IntoIter = EventsIter;
+    fn into_iter(self) -> EventsIter {
+        EventsIter(self)
+    }
 }
 
 struct Job {
     req: Request,
     events: Sender<Event>,
+    ticket: Arc<Ticket>,
     received: Instant,
 }
 
 /// Handle to the engine; cheap to clone, shared by every request handler.
 #[derive(Clone)]
 pub struct Engine {
-    jobs: Arc<Mutex<Sender<Job>>>,
+    jobs: Sender<Job>,
     pub stats: Arc<Stats>,
     pub config: EngineConfig,
     vocab: usize,
+    running: Arc<AtomicBool>,
+}
+
+/// Clears the engine's running flag when the scheduler thread ends, however it ends.
+struct RunningGuard(Arc<AtomicBool>);
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 impl Engine {
@@ -159,23 +304,32 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Stats::default());
         let vocab = backend.vocab_size();
-        let (s, c) = (stats.clone(), config.clone());
+        let running = Arc::new(AtomicBool::new(true));
+        let (s, c, guard) = (stats.clone(), config.clone(), RunningGuard(running.clone()));
         std::thread::Builder::new()
             .name("tern-scheduler".into())
-            .spawn(move || schedule(backend, tokenizer, rx, s, c))
+            .spawn(move || {
+                let _guard = guard;
+                Scheduler::new(&*backend, &tokenizer, &s, &c).run(rx)
+            })
             .expect("cannot start the scheduler thread");
-        Engine { jobs: Arc::new(Mutex::new(tx)), stats, config, vocab }
+        Engine { jobs: tx, stats, config, vocab, running }
     }
 
-    /// Queue a request; events arrive on the returned receiver. Dropping it cancels the request.
-    pub fn submit(&self, req: Request) -> Result<Receiver<Event>, SubmitError> {
+    /// Whether the scheduler thread is alive (false once it has ended, for whatever reason).
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// Queue a request; events arrive on the returned [`Events`]. Dropping it cancels the request.
+    pub fn submit(&self, req: Request) -> Result<Events, SubmitError> {
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
         if let Some(&id) = req.prompt.iter().find(|&&i| i as usize >= self.vocab) {
             return Err(SubmitError::BadToken { id, vocab: self.vocab });
         }
-        if req.prompt.len() + req.max_tokens > self.config.ctx_size {
+        if req.prompt.len().saturating_add(req.max_tokens) > self.config.ctx_size {
             return Err(SubmitError::TooLong {
                 prompt: req.prompt.len(),
                 max_tokens: req.max_tokens,
@@ -187,205 +341,372 @@ impl Engine {
             return Err(SubmitError::QueueFull { waiting });
         }
         let (tx, rx) = mpsc::channel();
+        let ticket = Arc::new(Ticket { state: AtomicU8::new(QUEUED), stats: self.stats.clone() });
         self.stats.waiting.fetch_add(1, Ordering::SeqCst);
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        let job = Job { req, events: tx, received: Instant::now() };
-        if self.jobs.lock().unwrap().send(job).is_err() {
-            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
-            let (tx, rx) = mpsc::channel();
-            let _ = tx.send(Event::Error("the engine has stopped".into()));
-            return Ok(rx);
+        let events = Events { rx, ticket: ticket.clone() };
+        if let Err(mpsc::SendError(job)) = self.jobs.send(Job { req, events: tx, ticket, received: Instant::now() }) {
+            let _ = job.events.send(Event::Error("the engine has stopped".into()));
+            job.ticket.take();
         }
-        Ok(rx)
+        Ok(events)
     }
 }
 
+/// A request being computed.
 struct Active<'t> {
     job: Job,
-    seq: Box<dyn Sequence>,
-    /// Every token the sequence has read.
-    fed: Vec<u32>,
-    /// Prompt tokens still to read.
-    next: usize,
+    seq: SeqId,
+    /// The prompt, then every generated token: what the sequence must have read before it draws the next token.
+    tokens: Vec<u32>,
+    /// Tokens of `tokens` the sequence has read.
+    fed: usize,
+    prompt_len: usize,
     /// Snapshot point: the last `<|im_start|>` of the prompt (the start of the turn being generated).
     boundary: usize,
-    sampler: Sampler,
+    /// Room reserved on the backend: prompt + max_tokens.
+    reserve: usize,
+    seed: u64,
     detok: Detokenizer<'t>,
     generated: Vec<u32>,
-    /// Sampled but not yet read by the sequence.
-    pending: Option<u32>,
-    /// Ids at or above this are embedding padding, not tokens.
-    tokenizer_vocab: usize,
     usage: Usage,
     first_token: Option<Instant>,
+    /// In a batched step that panicked: replays alone until it has drawn a token again.
+    suspect: bool,
 }
 
-enum Outcome {
+impl Active<'_> {
+    /// The end of the next chunk this sequence reads, within `budget` tokens (0: nothing fits).
+    fn chunk_end(&self, budget: usize) -> usize {
+        let mut end = self.tokens.len().min(self.fed + budget);
+        if self.fed < self.boundary {
+            end = end.min(self.boundary);
+        }
+        end
+    }
+
+    fn is_decode(&self) -> bool {
+        self.fed >= self.prompt_len
+    }
+}
+
+enum Fate {
     Continue,
-    /// Finished or cancelled; the state may go to the prefix cache.
-    Finished,
+    /// Finished normally: the state may go to the prefix cache.
+    Done,
+    /// Failed or cancelled: the state is freed.
+    Drop,
 }
 
-fn schedule(
-    backend: Arc<dyn Backend>,
-    tokenizer: Arc<Tokenizer>,
-    rx: Receiver<Job>,
-    stats: Arc<Stats>,
-    cfg: EngineConfig,
-) {
-    let tok: &Tokenizer = &tokenizer;
-    let mut active: VecDeque<Active> = VecDeque::new();
-    let mut cache = PrefixCache { entries: Vec::new(), capacity: cfg.prefix_cache_entries };
-    loop {
-        // Admit waiting jobs (block when idle).
-        while active.len() < cfg.max_concurrent.max(1) {
-            let job = if active.is_empty() {
+struct Scheduler<'a> {
+    backend: &'a dyn Backend,
+    tok: &'a Tokenizer,
+    stats: &'a Stats,
+    cfg: &'a EngineConfig,
+    waiting: VecDeque<Job>,
+    active: Vec<Active<'a>>,
+    cache: PrefixCache,
+    /// Where the round-robin over decodes starts when they alone exceed the budget.
+    rotate: usize,
+}
+
+impl<'a> Scheduler<'a> {
+    fn new(backend: &'a dyn Backend, tok: &'a Tokenizer, stats: &'a Stats, cfg: &'a EngineConfig) -> Self {
+        Scheduler {
+            backend,
+            tok,
+            stats,
+            cfg,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+            cache: PrefixCache::new(cfg.prefix_cache_bytes),
+            rotate: 0,
+        }
+    }
+
+    fn run(mut self, rx: Receiver<Job>) {
+        let mut open = true;
+        loop {
+            // Take new requests (block when there is nothing else to do).
+            if self.active.is_empty() && self.waiting.is_empty() {
+                if !open {
+                    return;
+                }
                 match rx.recv() {
-                    Ok(j) => j,
+                    Ok(j) => self.waiting.push_back(j),
                     Err(_) => return,
                 }
-            } else {
+            }
+            loop {
                 match rx.try_recv() {
-                    Ok(j) => j,
+                    Ok(j) => self.waiting.push_back(j),
                     Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
                 }
-            };
-            stats.waiting.fetch_sub(1, Ordering::SeqCst);
-            active.push_back(admit(job, &*backend, tok, &mut cache, &cfg));
+            }
+            self.waiting.retain(|j| !j.ticket.gone());
+            self.cancel_gone();
+            if let Some(i) = self.active.iter().position(|a| a.suspect) {
+                // Replay one suspect of a panicked step alone.
+                let end = self.active[i].chunk_end(self.budget());
+                self.run_step(vec![(i, end)]);
+            }
+            let plan = self.plan();
+            if !plan.is_empty() {
+                self.run_step(plan);
+            }
+            self.publish();
         }
-        stats.active.store(active.len(), Ordering::Relaxed);
-        for _ in 0..active.len() {
-            let mut a = active.pop_front().unwrap();
-            match step(&mut a, &mut cache, &stats, &cfg) {
-                Outcome::Continue => active.push_back(a),
-                Outcome::Finished => {
-                    let fed = std::mem::take(&mut a.fed);
-                    cache.insert(fed, a.seq);
+    }
+
+    fn budget(&self) -> usize {
+        self.cfg.step_tokens.max(1)
+    }
+
+    fn publish(&self) {
+        self.stats.active.store(self.active.len(), Ordering::Relaxed);
+        self.stats.prefix_cache_entries.store(self.cache.entries.len(), Ordering::Relaxed);
+        self.stats.prefix_cache_bytes.store(self.cache.bytes, Ordering::Relaxed);
+    }
+
+    /// Free the sequences of running requests whose client has gone.
+    fn cancel_gone(&mut self) {
+        let backend = self.backend;
+        self.active.retain(|a| {
+            let gone = a.job.ticket.gone();
+            if gone {
+                backend.free(a.seq);
+            }
+            !gone
+        });
+    }
+
+    /// This step's items: `(index into active, end of the chunk)`, decodes first, then prompt chunks, then the
+    /// first chunks of newly admitted requests.
+    fn plan(&mut self) -> Vec<(usize, usize)> {
+        let mut left = self.budget();
+        let mut plan = Vec::new();
+        let decodes: Vec<usize> =
+            (0..self.active.len()).filter(|&i| !self.active[i].suspect && self.active[i].is_decode()).collect();
+        if !decodes.is_empty() {
+            let start = self.rotate % decodes.len();
+            for &i in decodes[start..].iter().chain(&decodes[..start]).take(left) {
+                plan.push((i, self.active[i].fed + 1));
+            }
+            left -= plan.len();
+            self.rotate = self.rotate.wrapping_add(plan.len());
+        }
+        for (i, a) in self.active.iter().enumerate() {
+            if left == 0 {
+                break;
+            }
+            if !a.suspect && !a.is_decode() {
+                let end = a.chunk_end(left);
+                left -= end - a.fed;
+                plan.push((i, end));
+            }
+        }
+        while left > 0 && self.active.len() < self.cfg.max_concurrent.max(1) {
+            let Some(job) = self.waiting.pop_front() else { break };
+            if job.ticket.gone() {
+                continue; // the client left while it waited
+            }
+            match self.place(&job.req) {
+                Ok((seq, _)) if !job.ticket.take() => self.backend.free(seq), // it left just now
+                Ok((seq, cached)) => {
+                    let a = self.activate(job, seq, cached);
+                    let end = a.chunk_end(left);
+                    left -= end - a.fed;
+                    self.active.push(a);
+                    plan.push((self.active.len() - 1, end));
+                }
+                Err(AllocError::Full { .. }) if !self.active.is_empty() => {
+                    // Room comes back as running requests finish: it keeps its place at the head of the queue.
+                    self.waiting.push_front(job);
+                    break;
+                }
+                Err(e) => {
+                    if job.ticket.take() {
+                        let _ = job.events.send(Event::Error(e.to_string()));
+                    }
                 }
             }
         }
-        stats.active.store(active.len(), Ordering::Relaxed);
+        plan
     }
-}
 
-fn admit<'t>(
-    job: Job,
-    backend: &dyn Backend,
-    tok: &'t Tokenizer,
-    cache: &mut PrefixCache,
-    _cfg: &EngineConfig,
-) -> Active<'t> {
-    let prompt = &job.req.prompt;
-    let (seq, cached) = match cache.lookup(prompt) {
-        Some((seq, n)) => (seq, n),
-        None => (backend.new_sequence(), 0),
-    };
-    let boundary = prompt.iter().rposition(|&t| t == IM_START_ID).unwrap_or(0);
-    let detok = Detokenizer::new(
-        tok,
-        DetokConfig {
-            stop_ids: job.req.stop_ids.clone(),
-            stop_strings: job.req.stop_strings.clone(),
-            max_tokens: Some(job.req.max_tokens),
-        },
-    );
-    Active {
-        sampler: Sampler::new(job.req.sampling.clone()),
-        usage: Usage { prompt_tokens: prompt.len(), completion_tokens: 0, cached_tokens: cached },
-        fed: prompt[..cached].to_vec(),
-        next: cached,
-        boundary,
-        seq,
-        detok,
-        generated: Vec::new(),
-        pending: None,
-        tokenizer_vocab: tok.vocab_size(),
-        first_token: None,
-        job,
+    /// A sequence for `req`, and how many of its prompt tokens it holds: a fork of the longest cached prefix of
+    /// the prompt, else a new one; when the backend is full, cache snapshots are evicted until it is not (or
+    /// there are none).
+    fn place(&mut self, req: &Request) -> Result<(SeqId, usize), AllocError> {
+        let reserve = req.prompt.len() + req.max_tokens;
+        loop {
+            let hit = self.cache.lookup(&req.prompt);
+            let got = match hit {
+                Some((src, n)) => self.backend.fork(src, reserve).map(|s| (s, n)),
+                None => self.backend.alloc(reserve).map(|s| (s, 0)),
+            };
+            match got {
+                Ok(x) => return Ok(x),
+                Err(AllocError::Unknown(id)) => self.cache.forget(id),
+                Err(AllocError::Full { .. }) if self.cache.evict(self.backend, hit.map(|h| h.0)) => {}
+                Err(e) => return Err(e),
+            }
+        }
     }
-}
 
-fn step(a: &mut Active, cache: &mut PrefixCache, stats: &Stats, cfg: &EngineConfig) -> Outcome {
-    let prompt_len = a.job.req.prompt.len();
-    let ids: Vec<u32> = if a.next < prompt_len {
-        let mut end = (a.next + cfg.prefill_chunk.max(1)).min(prompt_len);
-        if a.next < a.boundary {
-            end = end.min(a.boundary);
-        }
-        a.job.req.prompt[a.next..end].to_vec()
-    } else {
-        match a.pending.take() {
-            Some(t) => vec![t],
-            None => return Outcome::Finished,
-        }
-    };
-    // The chunk that completes the prompt, and every decode step, yield a token: under plain greedy sampling the
-    // backend may pick it where the logits are (the CUDA step's own argmax) instead of sending all of them.
-    let yields_token = a.next + ids.len() >= prompt_len;
-    let picked = if yields_token && a.job.req.logprobs.is_none() && a.sampler.is_plain_greedy() {
-        a.seq.forward_argmax(&ids, a.tokenizer_vocab)
-    } else {
-        Ok(None)
-    };
-    let read = picked.and_then(|t| match t {
-        Some(t) => Ok((Some(t), Vec::new())),
-        None => a.seq.forward(&ids).map(|l| (None, l)),
-    });
-    let (greedy_id, logits) = match read {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = a.job.events.send(Event::Error(format!("{e:#}")));
-            return Outcome::Finished;
-        }
-    };
-    a.fed.extend_from_slice(&ids);
-    if a.next < prompt_len {
-        a.next += ids.len();
-        if a.next == a.boundary && a.boundary > a.usage.cached_tokens {
-            cache.insert(a.fed.clone(), a.seq.fork());
-        }
-        if a.next < prompt_len {
-            // Still reading the prompt; a dropped receiver is noticed when the first token is sent.
-            return Outcome::Continue;
+    fn activate(&self, job: Job, seq: SeqId, cached: usize) -> Active<'a> {
+        let prompt = &job.req.prompt;
+        let detok = Detokenizer::new(
+            self.tok,
+            DetokConfig {
+                stop_ids: job.req.stop_ids.clone(),
+                stop_strings: job.req.stop_strings.clone(),
+                max_tokens: Some(job.req.max_tokens),
+            },
+        );
+        Active {
+            seed: job.req.sampling.seed.unwrap_or_else(random_seed),
+            usage: Usage { prompt_tokens: prompt.len(), completion_tokens: 0, cached_tokens: cached },
+            tokens: prompt.clone(),
+            fed: cached,
+            prompt_len: prompt.len(),
+            boundary: prompt.iter().rposition(|&t| t == IM_START_ID).unwrap_or(0),
+            reserve: prompt.len() + job.req.max_tokens,
+            seq,
+            detok,
+            generated: Vec::new(),
+            first_token: None,
+            suspect: false,
+            job,
         }
     }
-    match greedy_id {
-        Some(token) => emit_token(a, token, None, stats, cfg),
-        None => emit(a, logits, stats, cfg),
-    }
-}
 
-/// Sample the next token from `logits`, stream it, and decide whether generation goes on.
-fn emit(a: &mut Active, mut logits: Vec<f32>, stats: &Stats, cfg: &EngineConfig) -> Outcome {
-    // The embedding table is padded past the tokenizer's last id (248,320 rows for 248,077 tokens): those
-    // rows are not tokens, so they can never be sampled.
-    let tokens = a.tokenizer_vocab;
-    if logits.len() > tokens {
-        logits[tokens..].fill(f32::NEG_INFINITY);
-    }
-    // Log-probabilities are those of the model's distribution (before penalties and temperature).
-    let lp = a.job.req.logprobs.map(|k| {
-        let m = logits.iter().fold(f32::NEG_INFINITY, |x, &y| x.max(y));
-        let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f32>().ln();
-        let mut idx: Vec<usize> = (0..logits.len()).collect();
-        let k = k.min(idx.len());
-        if k > 0 {
-            idx.select_nth_unstable_by(k - 1, |&i, &j| logits[j].total_cmp(&logits[i]));
+    /// Run one backend step over `plan` and apply its results.
+    fn run_step(&mut self, plan: Vec<(usize, usize)>) {
+        let limit = self.tok.vocab_size();
+        let outcome = {
+            let work: Vec<Work> = plan
+                .iter()
+                .map(|&(i, end)| {
+                    let a = &self.active[i];
+                    let out = if end < a.tokens.len() {
+                        Want::Nothing
+                    } else {
+                        Want::Sample(Sample {
+                            params: &a.job.req.sampling,
+                            seed: draw_seed(a.seed, a.generated.len()),
+                            history: &a.generated,
+                            top_logprobs: a.job.req.logprobs,
+                            limit,
+                        })
+                    };
+                    Work { seq: a.seq, ids: &a.tokens[a.fed..end], out }
+                })
+                .collect();
+            let backend = self.backend;
+            catch_unwind(AssertUnwindSafe(|| backend.step(&work)))
+        };
+        self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        let mut fates: Vec<(usize, Fate)> = Vec::with_capacity(plan.len());
+        match outcome {
+            Ok(results) if results.len() == plan.len() => {
+                for (&(i, end), r) in plan.iter().zip(results) {
+                    fates.push((i, self.apply(i, end, r)));
+                }
+            }
+            Ok(results) => {
+                let msg =
+                    format!("internal error: the backend returned {} results for {} items", results.len(), plan.len());
+                for &(i, _) in &plan {
+                    let _ = self.active[i].job.events.send(Event::Error(msg.clone()));
+                    fates.push((i, Fate::Drop));
+                }
+            }
+            Err(p) => {
+                let msg = panic_message(&*p);
+                if let [(i, _)] = plan[..] {
+                    let e = format!("internal error while computing this request: {msg}");
+                    let _ = self.active[i].job.events.send(Event::Error(e));
+                    fates.push((i, Fate::Drop));
+                } else {
+                    for &(i, _) in &plan {
+                        fates.push((i, self.replay(i)));
+                    }
+                }
+            }
         }
-        idx.truncate(k);
-        idx.sort_by(|&i, &j| logits[j].total_cmp(&logits[i]));
-        let top: Vec<(u32, f32)> = idx.iter().map(|&i| (i as u32, logits[i] - lse)).collect();
-        (logits.clone(), lse, top)
-    });
-    let token = a.sampler.sample(&mut logits, &a.generated);
-    let logprob = lp.map(|(raw, lse, top)| TokenLogprob { token, logprob: raw[token as usize] - lse, top });
-    emit_token(a, token, logprob, stats, cfg)
+        // Remove the finished, highest index first so the others keep theirs.
+        fates.sort_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, fate) in fates {
+            match fate {
+                Fate::Continue => {}
+                Fate::Done => {
+                    let a = self.active.remove(i);
+                    let ids = a.tokens[..a.fed].to_vec();
+                    self.cache.insert(self.backend, ids, a.seq);
+                }
+                Fate::Drop => {
+                    let a = self.active.remove(i);
+                    self.backend.free(a.seq);
+                }
+            }
+        }
+    }
+
+    /// After a batched step panicked: a fresh sequence for `active[i]`, to re-read everything alone.
+    fn replay(&mut self, i: usize) -> Fate {
+        let a = &mut self.active[i];
+        self.backend.free(a.seq);
+        match self.backend.alloc(a.reserve) {
+            Ok(seq) => {
+                (a.seq, a.fed, a.suspect) = (seq, 0, true);
+                Fate::Continue
+            }
+            Err(e) => {
+                let _ = a.job.events.send(Event::Error(format!("internal error, and no room to retry: {e}")));
+                Fate::Drop // (freeing the old id again is a no-op)
+            }
+        }
+    }
+
+    /// Apply one item's result: `active[i]` read its tokens up to `end`.
+    fn apply(&mut self, i: usize, end: usize, r: Result<Output>) -> Fate {
+        let a = &mut self.active[i];
+        let out = match r {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = a.job.events.send(Event::Error(format!("{e:#}")));
+                return Fate::Drop;
+            }
+        };
+        a.fed = end;
+        if a.fed == a.boundary && a.boundary > a.usage.cached_tokens && self.cache.capacity > 0 {
+            if let Ok(snap) = self.backend.fork(a.seq, a.fed) {
+                self.cache.insert(self.backend, a.tokens[..a.fed].to_vec(), snap);
+            }
+        }
+        match out {
+            Output::Nothing if end < a.tokens.len() => Fate::Continue,
+            Output::Token(s) if end == a.tokens.len() => {
+                a.suspect = false;
+                emit_token(a, s.token, s.logprob, self.stats, self.cfg)
+            }
+            other => {
+                let _ = a.job.events.send(Event::Error(format!("internal error: the backend returned {other:?}")));
+                Fate::Drop
+            }
+        }
+    }
 }
 
 /// Stream the chosen `token`, and decide whether generation goes on.
-fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: &Stats, cfg: &EngineConfig) -> Outcome {
+fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: &Stats, cfg: &EngineConfig) -> Fate {
     a.generated.push(token);
+    a.tokens.push(token);
     a.usage.completion_tokens += 1;
     stats.completion_tokens.fetch_add(1, Ordering::Relaxed);
     let now = Instant::now();
@@ -400,7 +721,7 @@ fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: 
         Ok(s) => s,
         Err(e) => {
             let _ = a.job.events.send(Event::Error(format!("detokenizer: {e}")));
-            return Outcome::Finished;
+            return Fate::Drop;
         }
     };
     let mut text = step.text;
@@ -409,7 +730,7 @@ fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: 
         Some(Finish::Length) => Some(FinishReason::Length),
         Some(Finish::StopId(_)) | Some(Finish::StopString(_)) => Some(FinishReason::Stop),
     };
-    if finish.is_none() && a.fed.len() + 1 >= cfg.ctx_size {
+    if finish.is_none() && a.tokens.len() >= cfg.ctx_size {
         finish = Some(FinishReason::Length);
     }
     if finish.is_some() && !matches!(step.finish, Some(Finish::StopString(_))) {
@@ -417,49 +738,161 @@ fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: 
         text.push_str(&a.detok.flush());
     }
     if a.job.events.send(Event::Token { token, text, logprob }).is_err() {
-        return Outcome::Finished; // the client went away
+        return Fate::Drop; // the client went away
     }
-    if let Some(finish) = finish {
-        if let Some(t0) = a.first_token {
-            stats.decode_us.fetch_add((now - t0).as_micros() as u64, Ordering::Relaxed);
-        }
-        let _ = a.job.events.send(Event::Done { finish, usage: a.usage });
-        return Outcome::Finished;
+    let Some(finish) = finish else { return Fate::Continue };
+    if let Some(t0) = a.first_token {
+        stats.decode_us.fetch_add((now - t0).as_micros() as u64, Ordering::Relaxed);
     }
-    a.pending = Some(token);
-    Outcome::Continue
+    let _ = a.job.events.send(Event::Done { finish, usage: a.usage });
+    Fate::Done
 }
 
-/// Sequence states by the tokens they have read; a new request reuses the longest entry its prompt starts with.
+/// The seed of draw `n` of a request seeded `seed` (splitmix64 of the pair).
+fn draw_seed(seed: u64, n: usize) -> u64 {
+    let mut z = seed ^ (n as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
+/// Snapshots of sequence states (backend sequences the cache owns) by the tokens they have read.
 struct PrefixCache {
-    entries: Vec<(Vec<u32>, Box<dyn Sequence>)>,
+    entries: Vec<Entry>,
+    /// Bytes of backend state the entries may hold, and hold.
     capacity: usize,
+    bytes: usize,
+    /// Counts lookups that hit and inserts: the clock of `Entry::used`.
+    clock: u64,
+}
+
+struct Entry {
+    ids: Vec<u32>,
+    seq: SeqId,
+    bytes: usize,
+    /// `clock` when it was inserted or last hit.
+    used: u64,
 }
 
 impl PrefixCache {
-    /// A fork of the longest cached state whose tokens are a proper prefix of `prompt`, and its length.
-    fn lookup(&mut self, prompt: &[u32]) -> Option<(Box<dyn Sequence>, usize)> {
-        let best = self
-            .entries
-            .iter()
-            .enumerate()
-            .filter(|(_, (ids, _))| !ids.is_empty() && ids.len() < prompt.len() && prompt.starts_with(ids))
-            .max_by_key(|(_, (ids, _))| ids.len())
-            .map(|(i, _)| i)?;
-        let entry = self.entries.remove(best);
-        let found = (entry.1.fork(), entry.0.len());
-        self.entries.push(entry); // most recently used last
-        Some(found)
+    fn new(capacity: usize) -> PrefixCache {
+        PrefixCache { entries: Vec::new(), capacity, bytes: 0, clock: 0 }
     }
 
-    fn insert(&mut self, ids: Vec<u32>, seq: Box<dyn Sequence>) {
-        if self.capacity == 0 || ids.is_empty() || ids.len() != seq.len() {
+    /// The longest snapshot whose tokens are a proper prefix of `prompt` (its sequence and length; fork it).
+    fn lookup(&mut self, prompt: &[u32]) -> Option<(SeqId, usize)> {
+        let e = self
+            .entries
+            .iter_mut()
+            .filter(|e| !e.ids.is_empty() && e.ids.len() < prompt.len() && prompt.starts_with(&e.ids))
+            .max_by_key(|e| e.ids.len())?;
+        self.clock += 1;
+        e.used = self.clock;
+        Some((e.seq, e.ids.len()))
+    }
+
+    /// Keep `seq` (which has read `ids`) as a snapshot, evicting others to stay within the byte bound; the cache
+    /// owns it from now on (frees it when evicted or when it does not fit).
+    fn insert(&mut self, backend: &dyn Backend, ids: Vec<u32>, seq: SeqId) {
+        let bytes = backend.state_bytes(seq);
+        if ids.is_empty() || bytes > self.capacity || backend.len(seq) != Some(ids.len()) {
+            backend.free(seq);
             return;
         }
-        self.entries.retain(|(k, _)| *k != ids);
-        self.entries.push((ids, seq));
-        while self.entries.len() > self.capacity {
-            self.entries.remove(0);
+        if let Some(i) = self.entries.iter().position(|e| e.ids == ids) {
+            let old = self.entries.swap_remove(i);
+            self.bytes -= old.bytes;
+            backend.free(old.seq);
+        }
+        self.clock += 1;
+        self.bytes += bytes;
+        self.entries.push(Entry { ids, seq, bytes, used: self.clock });
+        while self.bytes > self.capacity && self.evict(backend, Some(seq)) {}
+    }
+
+    /// Evict the entry worth least: prefill tokens saved per byte, divided by how many cache events ago it was
+    /// last useful (plus one). `keep` goes last. False if the cache is empty.
+    fn evict(&mut self, backend: &dyn Backend, keep: Option<SeqId>) -> bool {
+        let clock = self.clock;
+        let worth = |e: &Entry| e.ids.len() as f64 / e.bytes.max(1) as f64 / (1 + clock - e.used.min(clock)) as f64;
+        let Some(i) = (0..self.entries.len()).min_by(|&i, &j| {
+            let (a, b) = (&self.entries[i], &self.entries[j]);
+            (Some(a.seq) == keep).cmp(&(Some(b.seq) == keep)).then(worth(a).total_cmp(&worth(b)))
+        }) else {
+            return false;
+        };
+        let e = self.entries.swap_remove(i);
+        self.bytes -= e.bytes;
+        backend.free(e.seq);
+        true
+    }
+
+    /// Drop the entry of a sequence the backend no longer has.
+    fn forget(&mut self, seq: SeqId) {
+        if let Some(i) = self.entries.iter().position(|e| e.seq == seq) {
+            let e = self.entries.swap_remove(i);
+            self.bytes -= e.bytes;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ScriptedBackend;
+
+    fn seq_of(b: &dyn Backend, ids: &[u32]) -> SeqId {
+        let s = b.alloc(ids.len()).unwrap();
+        let r = b.step(&[Work { seq: s, ids, out: Want::Nothing }]);
+        assert!(matches!(r[..], [Ok(Output::Nothing)]));
+        s
+    }
+
+    /// The byte bound holds after every insert; what saves least per byte goes first; a hit keeps an entry.
+    #[test]
+    fn prefix_cache_evicts_least_prefill_per_byte_within_its_bound() {
+        let b = ScriptedBackend::new(100, vec![1]);
+        // Scripted state bytes: 64 + 4 per token. Room for about 3 entries of ~10 tokens.
+        let mut c = PrefixCache::new(3 * (64 + 40) + 10);
+        let long: Vec<u32> = (0..12).collect();
+        let s = seq_of(&b, &long);
+        c.insert(&b, long.clone(), s);
+        for k in 0..3u32 {
+            let ids: Vec<u32> = (0..4).map(|i| 50 + 10 * k + i).collect();
+            let s = seq_of(&b, &ids);
+            c.insert(&b, ids, s);
+            assert!(c.bytes <= c.capacity, "{} > {}", c.bytes, c.capacity);
+        }
+        // Four entries did not fit: the oldest short one (fewest tokens per byte, least recent) went first.
+        assert_eq!(c.entries.len(), 3);
+        assert!(c.entries.iter().any(|e| e.ids == long), "the long entry saves the most per byte");
+        assert!(c.entries.iter().all(|e| e.ids[0] != 50), "the oldest short entry is evicted first");
+        assert_eq!(c.lookup(&[50, 51, 52, 53, 54]), None);
+        let hit: Vec<u32> = [&long[..], &[99]].concat();
+        assert_eq!(c.lookup(&hit).map(|h| h.1), Some(12));
+        // Freed sequences are gone from the backend.
+        assert_eq!(b.len(SeqId(2)), None);
+        // An entry bigger than the bound is refused (and freed).
+        let big: Vec<u32> = (0..100).collect();
+        let s = seq_of(&b, &big);
+        c.insert(&b, big, s);
+        assert!(c.bytes <= c.capacity && b.len(s).is_none());
+    }
+
+    #[test]
+    fn draw_seeds_differ_per_draw_and_request() {
+        let mut seen = std::collections::HashSet::new();
+        for seed in 0..50 {
+            for n in 0..50 {
+                assert!(seen.insert(draw_seed(seed, n)));
+            }
         }
     }
 }

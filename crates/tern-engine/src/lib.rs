@@ -1,10 +1,16 @@
-//! The engine: a backend trait with CPU (and later CUDA) implementations, sequences, the scheduler with its
-//! prefix cache, and the `Engine` handle that streams generation events.
+//! The engine: the backend seam (sequences owned by the backend, one step over many of them) with its CPU and
+//! scripted implementations, the continuous-batching scheduler with its prefix cache, and the `Engine` handle that
+//! streams generation events.
 
 pub mod backend;
 pub mod engine;
 pub mod model;
 
-pub use backend::{Backend, CpuBackend, ScriptedBackend, Sequence};
-pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, Stats, SubmitError, TokenLogprob, Usage};
+pub use backend::{
+    read_logits, sample_host, AllocError, Backend, CpuBackend, Output, Sample, Sampled, ScriptedBackend, SeqId,
+    TokenLogprob, Want, Work,
+};
+pub use engine::{Engine, EngineConfig, Event, Events, FinishReason, Request, Stats, SubmitError, Usage};
 pub use model::Model;
+/// The sampling parameters [`Sample`] carries (tern-text's), for backends that sample on their own.
+pub use tern_text::SamplingParams;

@@ -2,12 +2,12 @@
 //! forward loop, the prefix cache changes nothing but the work, cancellation frees the sequence, errors carry
 //! their numbers.
 
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tern_engine::{
-    Backend, CpuBackend, Engine, EngineConfig, Event, FinishReason, Request, ScriptedBackend, Sequence, SubmitError,
+    AllocError, Backend, CpuBackend, Engine, EngineConfig, Event, FinishReason, Output, Request, ScriptedBackend,
+    SeqId, SubmitError, Want, Work,
 };
 use tern_model::testutil::{fixtures_dir, qwen_dir};
 use tern_model::{Logits, State, Weights};
@@ -87,8 +87,8 @@ fn prefix_cache_reuses_state_without_changing_output() {
     let tok = tok_or_skip!("prefix_cache_reuses_state_without_changing_output");
     let turn1: Vec<u32> = vec![11, 12, 13, 14, 15, 16, 17, 18];
     let turn2: Vec<u32> = vec![11, 12, 13, 14, 40, 41, 42, 43, 44, 45];
-    let run = |entries: usize| {
-        let cfg = EngineConfig { prefix_cache_entries: entries, ..EngineConfig::default() };
+    let run = |bytes: usize| {
+        let cfg = EngineConfig { prefix_cache_bytes: bytes, ..EngineConfig::default() };
         let engine = Engine::start(Arc::new(CpuBackend::new(fixture())), tok.clone(), cfg);
         let a = collect(&engine, greedy(turn1.clone(), 6));
         let b = collect(&engine, greedy(turn2.clone(), 6));
@@ -97,7 +97,7 @@ fn prefix_cache_reuses_state_without_changing_output() {
     };
     // The fixture vocabulary has no <|im_start|>: the boundary snapshot is exercised with the scripted
     // backend below; here the cache is hit by the full-sequence entry (turn 3 extends turn 1 + its answer).
-    let (with, without) = (run(8), run(0));
+    let (with, without) = (run(1 << 30), run(0));
     assert_eq!(with.0 .0, without.0 .0);
     assert_eq!(with.1 .0, without.1 .0);
     assert_eq!(with.2 .0, without.2 .0, "a cached prefix must not change the output");
@@ -114,7 +114,7 @@ fn prefix_cache_reuses_state_without_changing_output() {
 fn boundary_snapshot_serves_the_next_turn() {
     let tok = tok_or_skip!("boundary_snapshot_serves_the_next_turn");
     let script = [tok.encode("ok", false).unwrap(), vec![IM_END_ID]].concat();
-    let backend = Arc::new(ScriptedBackend { vocab: 248320, script });
+    let backend = Arc::new(ScriptedBackend::new(248320, script));
     let engine = Engine::start(backend, tok.clone(), EngineConfig::default());
     let turn1 = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", false).unwrap();
     let mut req = greedy(turn1.clone(), 8);
@@ -166,8 +166,7 @@ fn submit_errors_carry_their_numbers() {
 fn stop_strings_and_logprobs() {
     let tok = tok_or_skip!("stop_strings_and_logprobs");
     let script = tok.encode("Hello world. STOP here", false).unwrap();
-    let engine =
-        Engine::start(Arc::new(ScriptedBackend { vocab: 248320, script }), tok.clone(), EngineConfig::default());
+    let engine = Engine::start(Arc::new(ScriptedBackend::new(248320, script)), tok.clone(), EngineConfig::default());
     let mut req = greedy(vec![1, 2], 20);
     req.stop_strings = vec![" STOP".into()];
     req.logprobs = Some(3);
@@ -192,7 +191,7 @@ fn stop_strings_and_logprobs() {
 fn padded_vocabulary_rows_are_never_sampled() {
     let tok = tok_or_skip!("padded_vocabulary_rows_are_never_sampled");
     // The scripted model puts all its mass on an id past the tokenizer's last token.
-    let backend = Arc::new(ScriptedBackend { vocab: 248320, script: vec![248_300] });
+    let backend = Arc::new(ScriptedBackend::new(248320, vec![248_300]));
     let engine = Engine::start(backend, tok.clone(), EngineConfig::default());
     for temperature in [0.0, 1.0] {
         let mut req = greedy(vec![1, 2], 4);
@@ -204,62 +203,60 @@ fn padded_vocabulary_rows_are_never_sampled() {
     }
 }
 
-/// A backend whose sequences pick the greedy token themselves (as the CUDA backend does on the device), counting
-/// how often the engine asks them to.
-struct ArgmaxBackend {
+/// A CPU backend that logs what each step item asked for.
+struct Logging {
     inner: CpuBackend,
-    calls: Arc<AtomicUsize>,
+    asked: Arc<Mutex<Vec<&'static str>>>,
 }
 
-struct ArgmaxSequence {
-    inner: Box<dyn Sequence>,
-    calls: Arc<AtomicUsize>,
-}
-
-impl Sequence for ArgmaxSequence {
-    fn forward(&mut self, ids: &[u32]) -> anyhow::Result<Vec<f32>> {
-        self.inner.forward(ids)
-    }
-    fn forward_argmax(&mut self, ids: &[u32], limit: usize) -> anyhow::Result<Option<u32>> {
-        self.calls.fetch_add(1, AtomicOrdering::Relaxed);
-        let logits = self.inner.forward(ids)?;
-        let l = &logits[..limit.min(logits.len())];
-        Ok(Some(l.iter().enumerate().fold(0, |b, (i, v)| if *v > l[b] { i } else { b }) as u32))
-    }
-    fn len(&self) -> usize {
-        self.inner.len()
-    }
-    fn fork(&self) -> Box<dyn Sequence> {
-        Box::new(ArgmaxSequence { inner: self.inner.fork(), calls: self.calls.clone() })
-    }
-}
-
-impl Backend for ArgmaxBackend {
+impl Backend for Logging {
     fn name(&self) -> &str {
-        "argmax"
+        "logging"
     }
     fn vocab_size(&self) -> usize {
         self.inner.vocab_size()
     }
-    fn new_sequence(&self) -> Box<dyn Sequence> {
-        Box::new(ArgmaxSequence { inner: self.inner.new_sequence(), calls: self.calls.clone() })
+    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
+        self.inner.alloc(tokens)
+    }
+    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
+        self.inner.fork(seq, tokens)
+    }
+    fn free(&self, seq: SeqId) {
+        self.inner.free(seq)
+    }
+    fn len(&self, seq: SeqId) -> Option<usize> {
+        self.inner.len(seq)
+    }
+    fn state_bytes(&self, seq: SeqId) -> usize {
+        self.inner.state_bytes(seq)
+    }
+    fn step(&self, work: &[Work]) -> Vec<anyhow::Result<Output>> {
+        let kinds = work.iter().map(|w| match w.out {
+            Want::Nothing => "nothing",
+            Want::Last | Want::All => "logits",
+            Want::Sample(_) => "sample",
+        });
+        self.asked.lock().unwrap().extend(kinds);
+        self.inner.step(work)
     }
 }
 
+/// Sampling is behind the seam: every token (the one after the prompt and each decode step) is one `Sample` item
+/// carrying the request's parameters, so a backend can pick it where the logits are (the CUDA step's own argmax);
+/// the engine never moves logits, whatever the sampling.
 #[test]
-fn plain_greedy_requests_take_the_backends_argmax_and_nothing_else_does() {
-    let tok = tok_or_skip!("plain_greedy_requests_take_the_backends_argmax_and_nothing_else_does");
-    let calls = Arc::new(AtomicUsize::new(0));
+fn every_token_is_sampled_by_the_backend_and_the_engine_never_asks_for_logits() {
+    let tok = tok_or_skip!("every_token_is_sampled_by_the_backend_and_the_engine_never_asks_for_logits");
+    let asked = Arc::new(Mutex::new(vec![]));
     let cpu = Engine::start(Arc::new(CpuBackend::new(fixture())), tok.clone(), EngineConfig::default());
-    let backend = ArgmaxBackend { inner: CpuBackend::new(fixture()), calls: calls.clone() };
-    let fast = Engine::start(Arc::new(backend), tok, EngineConfig::default());
+    let backend = Logging { inner: CpuBackend::new(fixture()), asked: asked.clone() };
+    let logged = Engine::start(Arc::new(backend), tok, EngineConfig::default());
     let prompt: Vec<u32> = vec![5, 17, 200, 33, 8];
-    // plain greedy: every token (the one after the prompt and each decode step) comes from forward_argmax
     let (want, _) = collect(&cpu, greedy(prompt.clone(), 12));
-    let (got, _) = collect(&fast, greedy(prompt.clone(), 12));
+    let (got, _) = collect(&logged, greedy(prompt.clone(), 12));
     assert_eq!(got, want);
-    assert_eq!(calls.load(AtomicOrdering::Relaxed), 12);
-    // sampling, a penalty or logprobs need the logits: forward_argmax is not asked
+    assert_eq!(*asked.lock().unwrap(), vec!["sample"; 12]);
     let mut sampled = greedy(prompt.clone(), 6);
     (sampled.sampling.temperature, sampled.sampling.seed) = (0.8, Some(7));
     let mut penalised = greedy(prompt.clone(), 6);
@@ -268,8 +265,10 @@ fn plain_greedy_requests_take_the_backends_argmax_and_nothing_else_does() {
     with_lp.logprobs = Some(2);
     for req in [sampled, penalised, with_lp] {
         let (want, _) = collect(&cpu, req.clone());
-        let (got, _) = collect(&fast, req);
+        let (got, _) = collect(&logged, req);
         assert_eq!(got, want);
     }
-    assert_eq!(calls.load(AtomicOrdering::Relaxed), 12);
+    let asked = asked.lock().unwrap();
+    assert_eq!(asked.len(), 12 + 18);
+    assert!(asked.iter().all(|&k| k == "sample"), "{asked:?}");
 }

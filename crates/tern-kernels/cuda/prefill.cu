@@ -8,7 +8,8 @@
 //                 Grid N, 256 threads, H <= 4096. Bytes N*H*(4 + 2 (+4)).
 // router_rows     logits[n, r] = sum_k W[r, k] xn[n, k], W 8-bit (or 4-bit) MLX affine, rows = E + 1 (router |
 //                 shared-expert gate); f32 SIMT tile GEMM (64 tokens x 64 rows, k-steps of 64; the dequantised
-//                 weight is exact s*q+b in f32, as the decode router computes it). FLOPs 2*N*(E+1)*H.
+//                 weight is exact s*q+b in f32, as the decode router computes it; cols % 64 == 0, gs >= 16).
+//                 FLOPs 2*N*(E+1)*H.
 // topk_rows       one warp per token: softmax over E logits, top-k, renormalise (topk_warp, common.cuh); slot k
 //                 = shared expert E with weight sigmoid(logit E). idx/wts [N, k+1].
 // moe_align       one block: counts per expert, prefix offsets, the (token, slot) pairs sorted by expert (rowmap:
@@ -21,13 +22,16 @@
 //                 p % K holds position p), SiLU, l2-norm of q and k per key head (q also * dk^-1/2), beta =
 //                 sigmoid(b), gl = -exp(A_log) * softplus(a + dt_bias) (the log of the decay). -> qkv [N,
 //                 conv_dim] (same channel layout), beta/gl [N, Hv]. Grid N, 256 threads.
-// gdn_chunk_prep  chunked delta rule, phase 1 (every chunk of 64 tokens and value head in parallel): G = cumsum gl,
-//                 A[i,j] = beta_i e^{G_i-G_j} k_i.k_j (j < i), P[i,j] = e^{G_i-G_j} q_i.k_j (j <= i); solves
-//                 (I + A) [U | W] = [diag(beta) V | diag(beta e^G) K] by forward substitution (one column per
-//                 thread). -> U [c,h,64,dv], W [c,h,64,dk], P [c,h,64,64], G [c,h,64]. FLOPs ~ 64*64*(3dk+dv).
-// gdn_chunk_scan  phase 2, per (value head, 32-column slice of the state), chunks in order, state slice S [dk,32]
-//                 f32 in shared memory: D = U - W S; O = diag(e^G) Q S + P D; S <- e^{G_last} S + (diag(e^{G_last -
-//                 G}) K)^T D. -> o [N, Hv, dv] f32, final state. FLOPs per chunk ~ 64*32*(3dk + 32).
+// gdn_chunk_prep  chunked delta rule, phase 1 (every chunk of 64 tokens and value head in parallel; operands by
+//                 cp.async): G = cumsum gl, A[i,j] = beta_i e^{G_i-G_j} k_i.k_j (j < i), P[i,j] = e^{G_i-G_j} q_i.k_j
+//                 (j <= i); solves (I + A) [U | W] = [diag(beta) V | diag(beta e^G) K] by forward substitution (one
+//                 column per thread). -> U [c,h,64,dv], W [c,h,64,dk], P [c,h,64,64], G [c,h,64].
+//                 FLOPs per chunk-head ~ 2*64*64*(2dk) + 64*64*(dk+dv).
+// gdn_chunk_state phase 2a (sequential over chunks), per (value head, 32-column slice), state slice S [dk,32] f32 in
+//                 shared memory, the next chunk's operands double-buffered: Sc[c] = S; D = U - W S (over U);
+//                 S <- e^{G_last} S + (diag(e^{G_last - G}) K)^T D. FLOPs per chunk-slice 2*64*32*2dk.
+// gdn_chunk_out   phase 2b (every chunk and head in parallel): o = diag(e^G) Q Sc + P D -> o [N, Hv, dv] f32.
+//                 FLOPs per chunk-head 2*64*dv*(dk + 32).
 // gdn_gated_norm  o * rsqrt(mean(o^2) + eps) * norm * silu(z) per (token, value head) -> bf16 [N, Hv*dv]. One warp
 //                 per (token, head).
 // gdn_ring        ring slot p % K <- the pre-conv input of position p for the last min(N, K) positions (after
@@ -35,7 +39,7 @@
 // attn_prep_rows  per (token, head): q = RMSNorm(q)*qn, k = RMSNorm(k)*kn, NeoX RoPE of the first rd dims at
 //                 position pos0 + n (the decode kernel's arithmetic), q -> bf16 [N, nh, hd]; k, v -> bf16 cache
 //                 rows pos0 + n. Grid (N, nh + nkv), hd threads.
-#include "common.cuh"
+#include "mma.cuh"
 
 extern "C" __global__ void embed_rows(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                                       const __nv_bfloat16* __restrict__ b, int cols, int glog,
@@ -77,7 +81,9 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_rows(const float* __re
     }
 }
 
-// ---- router: f32 SIMT GEMM, 64 tokens x 64 rows per block, k-steps of 64, 256 threads (4 x 4 outputs each)
+// ---- router: f32 SIMT GEMM, 64 tokens x 64 rows per block, k-steps of 64, 256 threads (4 x 4 outputs each).
+// Per k-step each thread loads one 16-column run of one weight row (one 16-byte load of 8-bit codes, or 8 bytes of
+// 4-bit ones, one group: gs >= 16) and four float4s of x, for the next k-step while this one computes.
 #define RT 64
 extern "C" __global__ void __launch_bounds__(256) router_rows(const uint32_t* __restrict__ w,
                                                               const __nv_bfloat16* __restrict__ sc,
@@ -90,30 +96,65 @@ extern "C" __global__ void __launch_bounds__(256) router_rows(const uint32_t* __
     pdl_wait();
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
     const int r0 = blockIdx.x * RT, n0 = blockIdx.y * RT;
-    const int per_word = 32 / bits, wpr = cols / per_word;
-    const uint32_t mask = (1u << bits) - 1;
-    float acc[4][4] = {};
-    for (int k0 = 0; k0 < cols; k0 += RT) {
-        // x tile: 64 tokens x 64 k (16 per thread), transposed into xs[k][token]
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const int i = tid + 256 * j, n = i / RT, k = i % RT;
-            xs[k][n] = (n0 + n < N && k0 + k < cols) ? xn[(long)(n0 + n) * cols + k0 + k] : 0.f;
-        }
-        // weight tile: 64 rows x 64 k, dequantised exactly in f32
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const int i = tid + 256 * j, r = i / RT, k = i % RT;
-            float v = 0.f;
-            if (r0 + r < rows && k0 + k < cols) {
-                const int c = k0 + k;
-                const uint32_t word = w[(long)(r0 + r) * wpr + c / per_word];
-                const long g = (long)(r0 + r) * (cols >> glog) + (c >> glog);
-                v = bf(sc[g]) * (float)((word >> (bits * (c % per_word))) & mask) + bf(bi[g]);
+    const int wpr = cols * bits / 32;  // words per row
+    // this thread's weight run: row wr, columns 16*wq .. +15 of the k-step; x: token xt, float4s xq + 4j
+    const int wr = tid >> 2, wq = tid & 3;
+    const bool wok = r0 + wr < rows;
+    const int xt = tid >> 2, xq = tid & 3;
+    const bool xok = n0 + xt < N;
+    uint4 wv = make_uint4(0, 0, 0, 0);
+    float wsc = 0.f, wbi = 0.f;
+    float4 xv[4];
+    auto load = [&](int k0) {
+        const int c = k0 + 16 * wq;
+        wv = make_uint4(0, 0, 0, 0);
+        wsc = wbi = 0.f;
+        if (wok && c < cols) {
+            const uint32_t* p = w + (long)(r0 + wr) * wpr + c * bits / 32;
+            if (bits == 8) {
+                wv = *reinterpret_cast<const uint4*>(p);
+            } else {
+                const uint2 v2 = *reinterpret_cast<const uint2*>(p);
+                wv.x = v2.x, wv.y = v2.y;
             }
-            ws[k][r] = v;
+            const long g = (long)(r0 + wr) * (cols >> glog) + (c >> glog);
+            wsc = bf(sc[g]);
+            wbi = bf(bi[g]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int kc = k0 + 4 * (xq + 4 * j);
+            xv[j] = xok && kc < cols ? *reinterpret_cast<const float4*>(xn + (long)(n0 + xt) * cols + kc)
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    };
+    float acc[4][4] = {};
+    load(0);
+    for (int k0 = 0; k0 < cols; k0 += RT) {
+        __syncthreads();  // the previous k-step's readers are done
+        // exact dequantisation of the 16 codes of this thread's run
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            uint32_t q;
+            if (bits == 8) {
+                const uint32_t word = i < 4 ? wv.x : i < 8 ? wv.y : i < 12 ? wv.z : wv.w;
+                q = (word >> (8 * (i & 3))) & 0xFF;
+            } else {
+                const uint32_t word = i < 8 ? wv.x : wv.y;
+                q = (word >> (4 * (i & 7))) & 0xF;
+            }
+            ws[16 * wq + i][wr] = fmaf(wsc, (float)q, wbi);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int k = 4 * (xq + 4 * j);
+            xs[k][xt] = xv[j].x;
+            xs[k + 1][xt] = xv[j].y;
+            xs[k + 2][xt] = xv[j].z;
+            xs[k + 3][xt] = xv[j].w;
         }
         __syncthreads();
+        if (k0 + RT < cols) load(k0 + RT);
 #pragma unroll 8
         for (int k = 0; k < RT; k++) {
             const float4 a = *reinterpret_cast<const float4*>(&ws[k][4 * tx]);
@@ -124,7 +165,6 @@ extern "C" __global__ void __launch_bounds__(256) router_rows(const uint32_t* __
 #pragma unroll
                 for (int jj = 0; jj < 4; jj++) acc[i][jj] = fmaf(av[i], bv[jj], acc[i][jj]);
         }
-        __syncthreads();
     }
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -268,7 +308,17 @@ extern "C" __global__ void __launch_bounds__(256) gdn_prep(const float* __restri
 
 #define GC 64  // chunk length
 
-// Phase 1. Grid (chunks, Hv), 256 threads; dk, dv <= 128 and dk + dv <= 256.
+// 16-byte async copy of `n4` float4s from global `src` (row-major, `ld` floats per row) rows r0.. into shared `dst`
+// (row stride `lds` floats), rows >= nrows zero-filled. All threads of the block take part.
+__device__ __forceinline__ void copy_rows(float* dst, int lds, const float* src, long ld, int rows, int nrows, int n4) {
+    for (int i = threadIdx.x; i < rows * n4; i += blockDim.x) {
+        const int r = i / n4, c = i % n4;
+        const bool ok = r < nrows;
+        cp_async16(dst + r * lds + 4 * c, ok ? (const void*)(src + r * ld + 4 * c) : (const void*)src, ok ? 16 : 0);
+    }
+}
+
+// Phase 1. Grid (chunks, Hv), 256 threads; dk, dv <= 128, dk + dv <= 256, both % 4 == 0.
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __restrict__ qkv,
                                                                  const float* __restrict__ beta,
                                                                  const float* __restrict__ gl, int N, int Hk, int Hv,
@@ -276,80 +326,100 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
                                                                  float* __restrict__ Wg, float* __restrict__ Pg,
                                                                  float* __restrict__ Gg) {
     extern __shared__ __align__(16) float sm[];
-    const int ldk = dk + 1;
-    float* Ks = sm;                // [64][dk+1]
-    float* Qs = Ks + GC * ldk;     // [64][dk+1]
-    float* As = Qs + GC * ldk;     // [64][65]
-    float* Xs = As + GC * (GC + 1);  // [64][dk+dv] (solution, column per thread)
+    const int ldk = dk + 4, ncol = dk + dv;
+    float* Ks = sm;                  // [64][dk+4]
+    float* Qs = Ks + GC * ldk;       // [64][dk+4]
+    float* Xs = Qs + GC * ldk;       // [64][dv+dk]: V, then the right-hand sides, then the solution
+    float* As = Xs + GC * ncol;      // [64][65]
     __shared__ float Gs[GC], Bs[GC];
     pdl_wait();
     const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
-    const int t0 = c * GC;
-    for (int i = tid; i < GC * dk; i += blockDim.x) {
-        const int r = i / dk, d = i % dk;
-        const bool ok = t0 + r < N;
-        const float* row = qkv + (long)(t0 + r) * conv_dim;
-        Qs[r * ldk + d] = ok ? row[kh * dk + d] : 0.f;
-        Ks[r * ldk + d] = ok ? row[Kd + kh * dk + d] : 0.f;
-    }
+    const int t0 = c * GC, L = min(GC, N - t0);
+    const float* rows = qkv + (long)t0 * conv_dim;
+    copy_rows(Qs, ldk, rows + kh * dk, conv_dim, GC, L, dk / 4);
+    copy_rows(Ks, ldk, rows + Kd + kh * dk, conv_dim, GC, L, dk / 4);
+    copy_rows(Xs, ncol, rows + 2 * Kd + h * dv, conv_dim, GC, L, dv / 4);
+    cp_async_commit();
     if (tid < GC) {
-        const bool ok = t0 + tid < N;
+        const bool ok = tid < L;
         Bs[tid] = ok ? beta[(long)(t0 + tid) * Hv + h] : 0.f;
         Gs[tid] = ok ? gl[(long)(t0 + tid) * Hv + h] : 0.f;
     }
     __syncthreads();
-    if (tid == 0) {
-        float s = 0.f;
-        for (int i = 0; i < GC; i++) {
-            s += Gs[i];
-            Gs[i] = s;
+    if (tid < 32) {  // inclusive cumsum of the 64 log-decays: two per lane, then a warp scan
+        const float a = Gs[2 * tid], b = a + Gs[2 * tid + 1];
+        float v = b;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const float u = __shfl_up_sync(FULL_MASK, v, o);
+            if (tid >= o) v += u;
         }
+        Gs[2 * tid] = v - b + a;
+        Gs[2 * tid + 1] = v;
     }
+    cp_async_wait<0>();
     __syncthreads();
     const long cb = (long)c * Hv + h;  // chunk-head index
-    if (tid < GC)
-        Gg[cb * GC + tid] = Gs[tid];
-    // A and P: thread (i = tid / 4, j = tid % 4 + 4 m)
+    if (tid < GC) Gg[cb * GC + tid] = Gs[tid];
+    // A[i,j] = beta_i e^{G_i-G_j} k_i.k_j (j < i) and P[i,j] = e^{G_i-G_j} q_i.k_j (j <= i): 4x4 per thread
     {
-        const int i = tid >> 2, jb = tid & 3;
-        float a[16], pp[16];
+        const int ti = tid >> 4, tj = tid & 15;
+        float a[4][4] = {}, p[4][4] = {};
+        for (int d = 0; d < dk; d += 4) {
+            float4 ki[4], qi[4], kj[4];
 #pragma unroll
-        for (int m = 0; m < 16; m++) a[m] = pp[m] = 0.f;
-        for (int d = 0; d < dk; d++) {
-            const float ki = Ks[i * ldk + d], qi = Qs[i * ldk + d];
-#pragma unroll
-            for (int m = 0; m < 16; m++) {
-                const float kj = Ks[(jb + 4 * m) * ldk + d];
-                a[m] = fmaf(ki, kj, a[m]);
-                pp[m] = fmaf(qi, kj, pp[m]);
+            for (int r = 0; r < 4; r++) {
+                ki[r] = *reinterpret_cast<const float4*>(Ks + (4 * ti + r) * ldk + d);
+                qi[r] = *reinterpret_cast<const float4*>(Qs + (4 * ti + r) * ldk + d);
+                kj[r] = *reinterpret_cast<const float4*>(Ks + (4 * tj + r) * ldk + d);
             }
-        }
-        float* P = Pg + cb * GC * GC + i * GC;
 #pragma unroll
-        for (int m = 0; m < 16; m++) {
-            const int j = jb + 4 * m;
-            const float dec = j <= i ? expf(Gs[i] - Gs[j]) : 0.f;
-            As[i * (GC + 1) + j] = j < i ? Bs[i] * dec * a[m] : 0.f;
-            P[j] = pp[m] * dec;
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    a[r][q] += ki[r].x * kj[q].x + ki[r].y * kj[q].y + ki[r].z * kj[q].z + ki[r].w * kj[q].w;
+                    p[r][q] += qi[r].x * kj[q].x + qi[r].y * kj[q].y + qi[r].z * kj[q].z + qi[r].w * kj[q].w;
+                }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int i = 4 * ti + r;
+            float pv[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int j = 4 * tj + q;
+                const float dec = j <= i ? expf(Gs[i] - Gs[j]) : 0.f;
+                As[i * (GC + 1) + j] = j < i ? Bs[i] * dec * a[r][q] : 0.f;
+                pv[q] = p[r][q] * dec;
+            }
+            *reinterpret_cast<float4*>(Pg + cb * GC * GC + i * GC + 4 * tj) = make_float4(pv[0], pv[1], pv[2], pv[3]);
+        }
+    }
+    // right-hand sides, one column per thread: columns < dv are beta v (V already there), the rest beta e^G k
+    const int col = tid;
+    if (col < ncol) {
+        for (int i = 0; i < GC; i++) {
+            float* x = Xs + i * ncol + col;
+            *x = col < dv ? Bs[i] * *x : Bs[i] * expf(Gs[i]) * Ks[i * ldk + col - dv];
         }
     }
     __syncthreads();
-    // forward substitution, one column per thread: columns 0..dv-1 are U (rhs beta v), dv.. are W (beta e^G k)
-    const int col = tid;
-    const int ncol = dk + dv;
+    // forward substitution (I + A) X = RHS in place; each thread owns its column (four partial sums per row)
     if (col < ncol) {
-        const float* vsrc = qkv + 2 * Kd + h * dv + col;
         float* xc = Xs + col;
-        for (int i = 0; i < GC; i++) {
-            float r;
-            if (col < dv)
-                r = t0 + i < N ? Bs[i] * vsrc[(long)(t0 + i) * conv_dim] : 0.f;
-            else
-                r = Bs[i] * expf(Gs[i]) * Ks[i * ldk + (col - dv)];
+        for (int i = 1; i < GC; i++) {
             const float* ai = As + i * (GC + 1);
-            for (int j = 0; j < i; j++) r = fmaf(-ai[j], xc[j * ncol], r);
-            xc[i * ncol] = r;
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+            int j = 0;
+            for (; j + 4 <= i; j += 4) {
+                s0 = fmaf(ai[j], xc[j * ncol], s0);
+                s1 = fmaf(ai[j + 1], xc[(j + 1) * ncol], s1);
+                s2 = fmaf(ai[j + 2], xc[(j + 2) * ncol], s2);
+                s3 = fmaf(ai[j + 3], xc[(j + 3) * ncol], s3);
+            }
+            for (; j < i; j++) s0 = fmaf(ai[j], xc[j * ncol], s0);
+            xc[i * ncol] -= (s0 + s1) + (s2 + s3);
         }
         if (col < dv) {
             float* U = Ug + cb * GC * dv + col;
@@ -361,150 +431,206 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
     }
 }
 
-#define GS_C 32  // state columns per block
-// Phase 2. Grid (Hv, ceil(dv / 32)), 256 threads; dk <= 128, dk % 4 == 0.
-extern "C" __global__ void __launch_bounds__(256) gdn_chunk_scan(const float* __restrict__ qkv,
-                                                                 const float* __restrict__ Ug,
-                                                                 const float* __restrict__ Wg,
-                                                                 const float* __restrict__ Pg,
-                                                                 const float* __restrict__ Gg, int N, int Hk, int Hv,
-                                                                 int dk, int dv, float* __restrict__ state,
-                                                                 float* __restrict__ o) {
+#define GS_C 32  // state columns per block of the scan
+// Phase 2a: the state through the chunks in order. Grid (Hv, ceil(dv / 32)), 256 threads; dk <= 128, dk % 4 == 0,
+// dv % 4 == 0. Per chunk: Sc[c] <- S (the chunk's starting state, for gdn_chunk_out); D = U - W S (written over
+// U); S <- e^{G_last} S + (diag(e^{G_last - G}) K)^T D. The next chunk's W, K, U, G arrive by cp.async while
+// this one computes (two buffers).
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* __restrict__ qkv,
+                                                                  float* __restrict__ Ug,
+                                                                  const float* __restrict__ Wg,
+                                                                  const float* __restrict__ Gg, int N, int Hk, int Hv,
+                                                                  int dk, int dv, float* __restrict__ Sc,
+                                                                  float* __restrict__ state) {
     extern __shared__ __align__(16) float sm[];
     const int ldk = dk + 4;
+    const int buf_f = 2 * GC * ldk + GC * GS_C + GC;  // floats of one buffer: W, K, U slice, G
     float* Ss = sm;                  // [dk][32]
-    float* WQ = Ss + dk * GS_C;      // [128][dk+4]: rows 0..63 W, 64..127 Q
-    float* Ks = WQ + 2 * GC * ldk;   // [64][dk+4]
-    float* Ps = Ks + GC * ldk;       // [64][64]
-    float* Us = Ps + GC * GC;        // [64][32]
-    float* Ds = Us + GC * GS_C;      // [64][32]
-    __shared__ float Gs[GC], kdec[GC];
+    float* Ds = Ss + dk * GS_C;      // [64][32]
+    float* bufs = Ds + GC * GS_C;    // 2 x {W [64][dk+4], K [64][dk+4], U [64][32], G [64]}
+    __shared__ float kdec[GC];
     pdl_wait();
     const int h = blockIdx.x, j0 = blockIdx.y * GS_C, tid = threadIdx.x;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
-    const int nc = min(GS_C, dv - j0);  // valid columns of this slice
+    const int nc = min(GS_C, dv - j0);
+    const int nchunks = (N + GC - 1) / GC;
     float* S = state + (long)h * dk * dv;
+    auto issue = [&](int c) {
+        float* b = bufs + (c & 1) * buf_f;
+        const long cb = (long)c * Hv + h;
+        const int t0 = c * GC, L = min(GC, N - t0);
+        copy_rows(b, ldk, Wg + cb * GC * dk, dk, GC, GC, dk / 4);
+        copy_rows(b + GC * ldk, ldk, qkv + (long)t0 * conv_dim + Kd + kh * dk, conv_dim, GC, L, dk / 4);
+        copy_rows(b + 2 * GC * ldk, GS_C, Ug + cb * GC * dv + j0, dv, GC, GC, nc / 4);
+        copy_rows(b + 2 * GC * ldk + GC * GS_C, GC, Gg + cb * GC, GC, 1, 1, GC / 4);
+        cp_async_commit();
+    };
+    issue(0);
     for (int i = tid; i < dk * GS_C; i += blockDim.x) {
         const int r = i / GS_C, j = i % GS_C;
         Ss[i] = j < nc ? S[r * dv + j0 + j] : 0.f;
     }
-    const int rg = tid >> 3, cg = tid & 7;  // 4x4 output block: rows 4rg.., columns 4cg..
-    const int nchunks = (N + GC - 1) / GC;
+    const int rg = tid >> 3, cg = tid & 7;
     for (int c = 0; c < nchunks; c++) {
-        const int t0 = c * GC;
         const long cb = (long)c * Hv + h;
-        __syncthreads();  // the previous chunk's readers of WQ/Ks/Ps/Us/Ds and writers of Ss are done
-        for (int i = tid; i < GC * dk; i += blockDim.x) {
-            const int r = i / dk, d = i % dk;
-            const bool ok = t0 + r < N;
-            const float* row = qkv + (long)(t0 + r) * conv_dim;
-            WQ[r * ldk + d] = Wg[cb * GC * dk + i];
-            WQ[(GC + r) * ldk + d] = ok ? row[kh * dk + d] : 0.f;
-            Ks[r * ldk + d] = ok ? row[Kd + kh * dk + d] : 0.f;
-        }
-        for (int i = tid; i < GC * GC; i += blockDim.x) Ps[i] = Pg[cb * GC * GC + i];
-        for (int i = tid; i < GC * GS_C; i += blockDim.x) {
-            const int r = i / GS_C, j = i % GS_C;
-            Us[i] = j < nc ? Ug[cb * GC * dv + r * dv + j0 + j] : 0.f;
-        }
-        if (tid < GC) Gs[tid] = Gg[cb * GC + tid];
-        __syncthreads();
-        if (tid < GC) kdec[tid] = expf(Gs[GC - 1] - Gs[tid]);
-        // [W; Q] S: rows 4rg..4rg+3 of 128, columns 4cg..4cg+3
-        float acc[4][4] = {};
-        for (int d = 0; d < dk; d += 4) {
-            float a[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float4 v = *reinterpret_cast<const float4*>(&WQ[(4 * rg + i) * ldk + d]);
-                a[i][0] = v.x, a[i][1] = v.y, a[i][2] = v.z, a[i][3] = v.w;
-            }
-#pragma unroll
-            for (int dd = 0; dd < 4; dd++) {
-                const float4 b = *reinterpret_cast<const float4*>(&Ss[(d + dd) * GS_C + 4 * cg]);
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    acc[i][0] = fmaf(a[i][dd], b.x, acc[i][0]);
-                    acc[i][1] = fmaf(a[i][dd], b.y, acc[i][1]);
-                    acc[i][2] = fmaf(a[i][dd], b.z, acc[i][2]);
-                    acc[i][3] = fmaf(a[i][dd], b.w, acc[i][3]);
-                }
-            }
-        }
-        const bool is_w = rg < GC / 4;  // rows 0..63: W S -> D = U - W S
-        if (is_w) {
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int jj = 0; jj < 4; jj++) {
-                    const int r = 4 * rg + i, j = 4 * cg + jj;
-                    Ds[r * GS_C + j] = Us[r * GS_C + j] - acc[i][jj];
-                }
+        if (c + 1 < nchunks) {
+            issue(c + 1);  // into the other buffer: its last readers finished before the previous chunk's last barrier
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
-        if (!is_w) {
-            // O = e^G (Q S) + P D for tokens t = 4(rg-16) + i
+        const float* Wb = bufs + (c & 1) * buf_f;
+        const float* Kb = Wb + GC * ldk;
+        const float* Ub = Kb + GC * ldk;
+        const float* Gb = Ub + GC * GS_C;
+        if (tid < GC) kdec[tid] = expf(Gb[GC - 1] - Gb[tid]);
+        // the chunk's starting state, for the output kernel
+        for (int i = tid; i < dk * GS_C / 4; i += blockDim.x) {
+            const int r = i / (GS_C / 4), j = 4 * (i % (GS_C / 4));
+            if (j < nc)
+                *reinterpret_cast<float4*>(Sc + (cb * dk + r) * dv + j0 + j) = *reinterpret_cast<const float4*>(Ss + r * GS_C + j);
+        }
+        // D = U - W S: rows 2rg, 2rg+1, columns 4cg..4cg+3
+        {
+            float acc[2][4] = {};
+            for (int d = 0; d < dk; d += 4) {
+                const float4 w0 = *reinterpret_cast<const float4*>(Wb + (2 * rg) * ldk + d);
+                const float4 w1 = *reinterpret_cast<const float4*>(Wb + (2 * rg + 1) * ldk + d);
+                const float wa[2][4] = {{w0.x, w0.y, w0.z, w0.w}, {w1.x, w1.y, w1.z, w1.w}};
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int t = 4 * (rg - GC / 4) + i;
-                const float eg = expf(Gs[t]);
-                float ov[4];
+                for (int dd = 0; dd < 4; dd++) {
+                    const float4 sv = *reinterpret_cast<const float4*>(Ss + (d + dd) * GS_C + 4 * cg);
 #pragma unroll
-                for (int jj = 0; jj < 4; jj++) ov[jj] = eg * acc[i][jj];
-                for (int s = 0; s <= t; s++) {
-                    const float pv = Ps[t * GC + s];
-                    const float4 dd = *reinterpret_cast<const float4*>(&Ds[s * GS_C + 4 * cg]);
-                    ov[0] = fmaf(pv, dd.x, ov[0]);
-                    ov[1] = fmaf(pv, dd.y, ov[1]);
-                    ov[2] = fmaf(pv, dd.z, ov[2]);
-                    ov[3] = fmaf(pv, dd.w, ov[3]);
-                }
-                if (t0 + t < N) {
-#pragma unroll
-                    for (int jj = 0; jj < 4; jj++) {
-                        const int j = 4 * cg + jj;
-                        if (j < nc) o[(long)(t0 + t) * Hv * dv + h * dv + j0 + j] = ov[jj];
+                    for (int r = 0; r < 2; r++) {
+                        acc[r][0] = fmaf(wa[r][dd], sv.x, acc[r][0]);
+                        acc[r][1] = fmaf(wa[r][dd], sv.y, acc[r][1]);
+                        acc[r][2] = fmaf(wa[r][dd], sv.z, acc[r][2]);
+                        acc[r][3] = fmaf(wa[r][dd], sv.w, acc[r][3]);
                     }
                 }
             }
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                const int t = 2 * rg + r;
+                const float4 u = *reinterpret_cast<const float4*>(Ub + t * GS_C + 4 * cg);
+                const float4 dv4 = make_float4(u.x - acc[r][0], u.y - acc[r][1], u.z - acc[r][2], u.w - acc[r][3]);
+                *reinterpret_cast<float4*>(Ds + t * GS_C + 4 * cg) = dv4;
+                if (4 * cg < nc) *reinterpret_cast<float4*>(Ug + cb * GC * dv + t * dv + j0 + 4 * cg) = dv4;
+            }
         }
-        // S <- e^{G_last} S + sum_t kdec[t] k_t D_t^T : rows 4rg'.. of dk (rg' over dk/4 groups), columns 4cg..
-        const float elast = expf(Gs[GC - 1]);
+        __syncthreads();
+        // S <- e^{G_last} S + sum_t kdec_t k_t D_t^T: rows 4rb..4rb+3, columns 4cg..
+        const float elast = expf(Gb[GC - 1]);
         for (int rb = rg; rb < dk / 4; rb += 32) {
-            float sacc[4][4];
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int jj = 0; jj < 4; jj++) sacc[i][jj] = 0.f;
+            float sa[4][4] = {};
             for (int t = 0; t < GC; t++) {
-                const float4 kv = *reinterpret_cast<const float4*>(&Ks[t * ldk + 4 * rb]);
-                const float4 dd = *reinterpret_cast<const float4*>(&Ds[t * GS_C + 4 * cg]);
+                const float4 kv = *reinterpret_cast<const float4*>(Kb + t * ldk + 4 * rb);
+                const float4 d4 = *reinterpret_cast<const float4*>(Ds + t * GS_C + 4 * cg);
                 const float kd = kdec[t];
                 const float ka[4] = {kv.x * kd, kv.y * kd, kv.z * kd, kv.w * kd};
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    sacc[i][0] = fmaf(ka[i], dd.x, sacc[i][0]);
-                    sacc[i][1] = fmaf(ka[i], dd.y, sacc[i][1]);
-                    sacc[i][2] = fmaf(ka[i], dd.z, sacc[i][2]);
-                    sacc[i][3] = fmaf(ka[i], dd.w, sacc[i][3]);
+                    sa[i][0] = fmaf(ka[i], d4.x, sa[i][0]);
+                    sa[i][1] = fmaf(ka[i], d4.y, sa[i][1]);
+                    sa[i][2] = fmaf(ka[i], d4.z, sa[i][2]);
+                    sa[i][3] = fmaf(ka[i], d4.w, sa[i][3]);
                 }
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                float4* sp = reinterpret_cast<float4*>(&Ss[(4 * rb + i) * GS_C + 4 * cg]);
+                float4* sp = reinterpret_cast<float4*>(Ss + (4 * rb + i) * GS_C + 4 * cg);
                 float4 sv = *sp;
-                sv.x = fmaf(elast, sv.x, sacc[i][0]);
-                sv.y = fmaf(elast, sv.y, sacc[i][1]);
-                sv.z = fmaf(elast, sv.z, sacc[i][2]);
-                sv.w = fmaf(elast, sv.w, sacc[i][3]);
+                sv.x = fmaf(elast, sv.x, sa[i][0]);
+                sv.y = fmaf(elast, sv.y, sa[i][1]);
+                sv.z = fmaf(elast, sv.z, sa[i][2]);
+                sv.w = fmaf(elast, sv.w, sa[i][3]);
                 *sp = sv;
             }
         }
+        __syncthreads();  // S and D settled; this buffer may be refilled
     }
-    __syncthreads();
     for (int i = tid; i < dk * GS_C; i += blockDim.x) {
         const int r = i / GS_C, j = i % GS_C;
         if (j < nc) S[r * dv + j0 + j] = Ss[i];
+    }
+}
+
+// Phase 2b: outputs, every (chunk, value head) in parallel: O = diag(e^G) Q Sc + P D. Grid (chunks, Hv), 256
+// threads: 4 tokens x 8 columns each; dk <= 128, dv <= 128, both % 8 == 0 (dk % 4).
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(const float* __restrict__ qkv,
+                                                                const float* __restrict__ Dg,
+                                                                const float* __restrict__ Pg,
+                                                                const float* __restrict__ Gg,
+                                                                const float* __restrict__ Sc, int N, int Hk, int Hv,
+                                                                int dk, int dv, float* __restrict__ o) {
+    extern __shared__ __align__(16) float sm[];
+    const int ldk = dk + 4, ldv = dv + 4;
+    float* Qs = sm;                 // [64][dk+4]
+    float* Ss = Qs + GC * ldk;      // [dk][dv+4]
+    float* Ds = Ss + dk * ldv;      // [64][dv+4]
+    float* Ps = Ds + GC * ldv;      // [64][64]
+    __shared__ float Gs[GC];
+    pdl_wait();
+    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
+    const int t0 = c * GC, L = min(GC, N - t0);
+    const long cb = (long)c * Hv + h;
+    copy_rows(Qs, ldk, qkv + (long)t0 * conv_dim + kh * dk, conv_dim, GC, L, dk / 4);
+    copy_rows(Ss, ldv, Sc + cb * dk * dv, dv, dk, dk, dv / 4);
+    copy_rows(Ds, ldv, Dg + cb * GC * dv, dv, GC, GC, dv / 4);
+    copy_rows(Ps, GC, Pg + cb * GC * GC, GC, GC, GC, GC / 4);
+    cp_async_commit();
+    if (tid < GC) Gs[tid] = Gg[cb * GC + tid];
+    cp_async_wait<0>();
+    __syncthreads();
+    const int rg = tid >> 4, cg = tid & 15;  // tokens 4rg..4rg+3, columns 8cg..8cg+7
+    if (8 * cg >= dv) return;
+    float acc[4][8] = {};
+    for (int d = 0; d < dk; d += 4) {
+        float qa[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const float4 q = *reinterpret_cast<const float4*>(Qs + (4 * rg + r) * ldk + d);
+            qa[r][0] = q.x, qa[r][1] = q.y, qa[r][2] = q.z, qa[r][3] = q.w;
+        }
+#pragma unroll
+        for (int dd = 0; dd < 4; dd++) {
+            const float4 s0 = *reinterpret_cast<const float4*>(Ss + (d + dd) * ldv + 8 * cg);
+            const float4 s1 = *reinterpret_cast<const float4*>(Ss + (d + dd) * ldv + 8 * cg + 4);
+            const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[r][j] = fmaf(qa[r][dd], sv[j], acc[r][j]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const float eg = expf(Gs[4 * rg + r]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[r][j] *= eg;
+    }
+    // + P D over s <= t (P is zero above the diagonal)
+    for (int s = 0; s < 4 * rg + 4; s++) {
+        const float4 d0 = *reinterpret_cast<const float4*>(Ds + s * ldv + 8 * cg);
+        const float4 d1 = *reinterpret_cast<const float4*>(Ds + s * ldv + 8 * cg + 4);
+        const float dvv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const float pv = Ps[(4 * rg + r) * GC + s];
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[r][j] = fmaf(pv, dvv[j], acc[r][j]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int t = 4 * rg + r;
+        if (t < L) {
+            float* op = o + (long)(t0 + t) * Hv * dv + h * dv + 8 * cg;
+            *reinterpret_cast<float4*>(op) = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+            *reinterpret_cast<float4*>(op + 4) = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+        }
     }
 }
 

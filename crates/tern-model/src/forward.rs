@@ -1,8 +1,10 @@
 //! The reference forward pass of the `qwen3_5_moe` text model, in f32, in the order of the model card
 //! (../shared/docs/model-spec.md §2). Every later kernel is tested against this file.
 //!
-//! One call reads `n` new tokens at positions `state.pos ..` and advances the per-sequence state: a prefill of
-//! N tokens followed by M single-token calls computes exactly what one call of N+M tokens computes.
+//! One call reads `n` new tokens at positions `state.pos ..` and advances the per-sequence state; one batched call
+//! ([`Weights::forward_batch`]) does so for several sequences, with their tokens stacked for every weight. A
+//! prefill of N tokens followed by M single-token calls computes exactly (bit for bit) what one call of N+M tokens
+//! computes, and a sequence in a batch exactly what it computes alone.
 
 use rayon::prelude::*;
 
@@ -62,74 +64,201 @@ impl State {
             .collect();
         State { pos: 0, layers, routing: Routing::default() }
     }
+
+    /// Bytes of the state of a sequence that has read `tokens` tokens: the fixed conv inputs and recurrent state
+    /// of every Gated DeltaNet layer, plus the keys and values (f32) of every attention layer per token.
+    pub fn bytes_for(c: &Config, tokens: usize) -> usize {
+        let per_token = 2 * c.num_key_value_heads * c.head_dim;
+        let floats: usize = c
+            .layer_types
+            .iter()
+            .map(|k| match k {
+                crate::config::LayerKind::Full => tokens * per_token,
+                crate::config::LayerKind::Linear => {
+                    (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim()
+                        + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+                }
+            })
+            .sum();
+        4 * floats
+    }
 }
 
 /// Which rows of logits to compute.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Logits {
     /// One row per input token.
     All,
     /// Only the row of the last token (generation).
     Last,
+    /// None (a prompt chunk that does not end the prompt): the final norm and lm_head are skipped.
+    Skip,
 }
 
-impl Weights {
-    /// Read `ids` after what `state` holds; returns logits `[rows, vocab]` (rows = ids.len() or 1).
-    pub fn forward(&self, ids: &[u32], state: &mut State, which: Logits) -> Vec<f32> {
-        let c = &self.config;
-        let (n, h) = (ids.len(), c.hidden_size);
-        assert!(n > 0, "forward needs at least one token");
-        let mut x = vec![0.0; n * h];
-        for (&id, xt) in ids.iter().zip(x.chunks_exact_mut(h)) {
-            self.embed.row_into(id as usize, xt);
-        }
-        let mut u = vec![0.0; n * h];
-        let force = state.routing.force.take();
-        state.routing.logits.clear();
-        for (i, (layer, ls)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            let forced = force.as_ref().map(|f| f[i].as_slice());
-            let record = state.routing.record.then_some(&mut state.routing.logits);
-            layer_forward(c, layer, ls, state.pos, &mut x, &mut u, n, forced, record);
-        }
-        state.pos += n;
-        let rows = if which == Logits::All { n } else { 1 };
-        let xs = &mut x[(n - rows) * h..];
-        for t in 0..rows {
-            rms_norm(&mut xs[t * h..(t + 1) * h], &self.norm, c.rms_norm_eps);
-        }
-        let mut logits = vec![0.0; rows * c.vocab_size];
-        self.lm_head.forward(xs, rows, &mut logits);
-        logits
+/// One sequence's part of a [`Weights::forward_batch`]: the ids it reads after what its state holds, and the
+/// logits rows it wants back.
+pub struct Part<'a> {
+    pub ids: &'a [u32],
+    pub state: &'a mut State,
+    pub logits: Logits,
+}
+
+/// Where one part's rows sit in the stacked activations, and where its sequence stands.
+#[derive(Clone, Copy)]
+struct Seg {
+    /// First row in the stacked `[rows, hidden]` activations.
+    row: usize,
+    /// Rows (tokens) of this part.
+    n: usize,
+    /// Tokens its state held before this call.
+    pos: usize,
+}
+
+impl Seg {
+    fn rows(&self, width: usize) -> std::ops::Range<usize> {
+        self.row * width..(self.row + self.n) * width
     }
 }
 
+impl Weights {
+    /// Read `ids` after what `state` holds; returns logits `[rows, vocab]` (rows = ids.len(), 1 or 0 as `which`
+    /// says). The batch of one of [`Weights::forward_batch`].
+    pub fn forward(&self, ids: &[u32], state: &mut State, which: Logits) -> Vec<f32> {
+        let mut out = self.forward_batch(&mut [Part { ids, state, logits: which }]);
+        out.pop().unwrap_or_default()
+    }
+
+    /// Several sequences in one pass: their tokens are stacked so that every projection, the router, the shared
+    /// expert and each routed expert read their weights once for all rows, while the conv and recurrent state,
+    /// the Gated DeltaNet recurrence and attention run per sequence over its own state. Returns each part's
+    /// logits (as [`Weights::forward`] would), in order.
+    ///
+    /// Every row is computed by the same operations in the same order whatever else is in the batch or how a
+    /// sequence's tokens are split into calls (each projection computes each row on its own; attention, the
+    /// conv and the recurrence read only the sequence's own values), so a part's logits are bit-identical to
+    /// the same tokens read alone, in one call or several (tests/batch.rs).
+    pub fn forward_batch(&self, parts: &mut [Part]) -> Vec<Vec<f32>> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let mut segs = Vec::with_capacity(parts.len());
+        let mut rows = 0;
+        for p in parts.iter() {
+            assert!(!p.ids.is_empty(), "forward needs at least one token per sequence");
+            segs.push(Seg { row: rows, n: p.ids.len(), pos: p.state.pos });
+            rows += p.ids.len();
+        }
+        let mut x = vec![0.0; rows * h];
+        for (&id, xt) in parts.iter().flat_map(|p| p.ids).zip(x.chunks_exact_mut(h)) {
+            self.embed.row_into(id as usize, xt);
+        }
+        let mut u = vec![0.0; rows * h];
+        let forced: Vec<Option<Vec<Vec<usize>>>> = parts.iter_mut().map(|p| p.state.routing.force.take()).collect();
+        for p in parts.iter_mut() {
+            p.state.routing.logits.clear();
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut states: Vec<&mut State> = parts.iter_mut().map(|p| &mut *p.state).collect();
+            let forced_i: Vec<Option<&[usize]>> = forced.iter().map(|f| f.as_ref().map(|f| f[i].as_slice())).collect();
+            layer_forward(c, layer, i, &mut states, &segs, &mut x, &mut u, &forced_i);
+        }
+        // The rows each part wants, stacked for one lm_head pass.
+        let mut picked: Vec<(usize, usize)> = Vec::with_capacity(parts.len()); // (first row, rows) per part
+        let mut xs = Vec::new();
+        for (p, s) in parts.iter_mut().zip(&segs) {
+            p.state.pos += s.n;
+            let want = match p.logits {
+                Logits::All => s.n,
+                Logits::Last => 1,
+                Logits::Skip => 0,
+            };
+            picked.push((xs.len() / h, want));
+            xs.extend_from_slice(&x[(s.row + s.n - want) * h..(s.row + s.n) * h]);
+        }
+        let out_rows = xs.len() / h;
+        xs.chunks_exact_mut(h).for_each(|r| rms_norm(r, &self.norm, c.rms_norm_eps));
+        let v = c.vocab_size;
+        let mut logits = vec![0.0; out_rows * v];
+        if out_rows > 0 {
+            self.lm_head.forward(&xs, out_rows, &mut logits);
+        }
+        if let [_] = picked[..] {
+            return vec![logits]; // a batch of one: no copy (a prefill's every row can be hundreds of MB)
+        }
+        picked.iter().map(|&(r, n)| logits[r * v..(r + n) * v].to_vec()).collect()
+    }
+}
+
+/// One decoder layer over the stacked rows of every sequence: `states[j]` and `segs[j]` belong to sequence `j`.
 #[allow(clippy::too_many_arguments)]
 fn layer_forward(
     c: &Config,
     layer: &Layer,
-    ls: &mut LayerState,
-    pos: usize,
+    li: usize,
+    states: &mut [&mut State],
+    segs: &[Seg],
     x: &mut [f32],
     u: &mut [f32],
-    n: usize,
-    forced: Option<&[usize]>,
-    record: Option<&mut Vec<Vec<f32>>>,
+    forced: &[Option<&[usize]>],
 ) {
-    let h = c.hidden_size;
+    let (h, rows) = (c.hidden_size, x.len() / c.hidden_size);
     // h = h + Mixer(RMSNorm1p(h))
     u.copy_from_slice(x);
     u.chunks_exact_mut(h).for_each(|r| rms_norm(r, &layer.input_norm, c.rms_norm_eps));
-    let mixed = match (&layer.mixer, ls) {
-        (Mixer::Attention(a), LayerState::Attention { k, v }) => attention(c, a, k, v, pos, u, n),
-        (Mixer::DeltaNet(g), LayerState::DeltaNet { conv, s }) => delta_net(c, g, conv, s, u, n),
-        _ => unreachable!("state layout follows config.layer_types"),
+    let mut ls: Vec<&mut LayerState> = states.iter_mut().map(|s| &mut s.layers[li]).collect();
+    let mixed = match &layer.mixer {
+        Mixer::Attention(a) => {
+            let qg = project(&a.q_proj, u, rows);
+            let k = project(&a.k_proj, u, rows);
+            let v = project(&a.v_proj, u, rows);
+            let (wq, wk) = (a.q_proj.rows(), a.k_proj.rows());
+            let o = per_sequence(&mut ls, segs, |ls, s| {
+                let LayerState::Attention { k: kc, v: vc } = ls else { unreachable!("state follows layer_types") };
+                let kt = k[s.rows(wk)].to_vec();
+                attention_core(c, a, kc, vc, s.pos, &qg[s.rows(wq)], kt, &v[s.rows(wk)], s.n)
+            });
+            project(&a.o_proj, &o, rows)
+        }
+        Mixer::DeltaNet(g) => {
+            let qkv = project(&g.in_proj_qkv, u, rows);
+            let z = project(&g.in_proj_z, u, rows);
+            let b = project(&g.in_proj_b, u, rows);
+            let a = project(&g.in_proj_a, u, rows);
+            let w = [&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a].map(|l| l.rows());
+            let o = per_sequence(&mut ls, segs, |ls, s| {
+                let LayerState::DeltaNet { conv, s: st } = ls else { unreachable!("state follows layer_types") };
+                let (qkv, z, b, a) = (&qkv[s.rows(w[0])], &z[s.rows(w[1])], &b[s.rows(w[2])], &a[s.rows(w[3])]);
+                delta_net_core(c, g, conv, st, qkv, z, b, a, s.n)
+            });
+            project(&g.out_proj, &o, rows)
+        }
     };
     x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
     // h = h + MoE(RMSNorm1p(h))
     u.copy_from_slice(x);
     u.chunks_exact_mut(h).for_each(|r| rms_norm(r, &layer.post_norm, c.rms_norm_eps));
-    let out = moe(c, &layer.moe, u, n, forced, record);
+    let m = &layer.moe;
+    let logits = project(&m.router, u, rows);
+    let e = c.num_experts;
+    let mut routes = Vec::with_capacity(rows);
+    for ((st, s), f) in states.iter_mut().zip(segs).zip(forced) {
+        let lg = &logits[s.rows(e)];
+        routes.extend(routes_of(c, lg, s.n, *f));
+        if st.routing.record {
+            st.routing.logits.push(lg.to_vec());
+        }
+    }
+    let out = moe_experts(c, m, u, rows, &routes);
     x.iter_mut().zip(&out).for_each(|(a, b)| *a += b);
+}
+
+/// `f` over each sequence's state and rows, in parallel (the states are disjoint); the outputs concatenated in
+/// sequence order.
+fn per_sequence<F>(ls: &mut [&mut LayerState], segs: &[Seg], f: F) -> Vec<f32>
+where
+    F: Fn(&mut LayerState, &Seg) -> Vec<f32> + Sync,
+{
+    let outs: Vec<Vec<f32>> = ls.par_iter_mut().zip(segs).map(|(l, s)| f(l, s)).collect();
+    outs.concat()
 }
 
 /// In place: `x * rsqrt(mean(x²) + eps) * gain` (gain already includes the +1 of the (1+w) norms).
@@ -162,25 +291,9 @@ fn project(l: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     y
 }
 
-/// Gated full attention (§2.2): per-head interleaved query/gate, q/k (1+w) norms, NeoX RoPE on the first
-/// `rotary_dim` dims, GQA causal softmax attention over the cache, sigmoid output gate, o_proj.
-fn attention(
-    c: &Config,
-    a: &Attention,
-    kc: &mut Vec<f32>,
-    vc: &mut Vec<f32>,
-    pos: usize,
-    u: &[f32],
-    n: usize,
-) -> Vec<f32> {
-    let qg = project(&a.q_proj, u, n);
-    let k = project(&a.k_proj, u, n);
-    let v = project(&a.v_proj, u, n);
-    let o = attention_core(c, a, kc, vc, pos, &qg, k, &v, n);
-    project(&a.o_proj, &o, n)
-}
-
-/// [`attention`] between the projections: from q‖gate, k, v of `n` tokens to the gated output `[n, nh*hd]`
+/// Gated full attention (§2.2) between the projections (q‖gate, k, v from the layer input; o_proj after): per-head
+/// interleaved query/gate, q/k (1+w) norms, NeoX RoPE on the first `rotary_dim` dims, GQA causal softmax attention
+/// over the cache, sigmoid output gate. From q‖gate, k, v of `n` tokens to the gated output `[n, nh*hd]`
 /// (before o_proj); reads `a.q_norm` and `a.k_norm` only.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_core(
@@ -250,18 +363,9 @@ pub fn attention_core(
     o
 }
 
-/// Gated DeltaNet (§2.3): projections, causal depthwise conv + SiLU over q‖k‖v, l2-normalised q and k, the
-/// delta-rule recurrence with an f32 state per value head, gated RMSNorm, out_proj.
-fn delta_net(c: &Config, g: &GatedDeltaNet, conv: &mut [f32], s: &mut [f32], u: &[f32], n: usize) -> Vec<f32> {
-    let mixed = project(&g.in_proj_qkv, u, n);
-    let z = project(&g.in_proj_z, u, n);
-    let b = project(&g.in_proj_b, u, n);
-    let a = project(&g.in_proj_a, u, n);
-    let o = delta_net_core(c, g, conv, s, &mixed, &z, &b, &a, n);
-    project(&g.out_proj, &o, n)
-}
-
-/// [`delta_net`] between the projections: from qkv, z, b, a of `n` tokens to the gated-normed output
+/// Gated DeltaNet (§2.3) between the projections (qkv, z, b, a from the layer input; out_proj after): causal
+/// depthwise conv + SiLU over q‖k‖v, l2-normalised q and k, the delta-rule recurrence with an f32 state per value
+/// head, gated RMSNorm. From qkv, z, b, a of `n` tokens to the gated-normed output
 /// `[n, value_dim]` (before out_proj), advancing `conv` and `s`; reads conv, a_log, dt_bias and norm of `g` only.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_net_core(
@@ -363,8 +467,8 @@ pub fn route(c: &Config, router_logits: &[f32]) -> Vec<(usize, f32)> {
     let p: Vec<f32> = router_logits.iter().map(|l| (l - m).exp()).collect();
     let sum: f32 = p.iter().sum();
     let mut idx: Vec<usize> = (0..p.len()).collect();
-    // Highest probability first; ties go to the lower index.
-    idx.sort_by(|&i, &j| p[j].partial_cmp(&p[i]).unwrap().then(i.cmp(&j)));
+    // Highest probability first; ties go to the lower index (a total order: a NaN logit cannot panic here).
+    idx.sort_by(|&i, &j| p[j].total_cmp(&p[i]).then(i.cmp(&j)));
     let top: Vec<(usize, f32)> = idx[..c.num_experts_per_tok].iter().map(|&e| (e, p[e] / sum)).collect();
     let total: f32 = top.iter().map(|(_, w)| w).sum();
     top.into_iter().map(|(e, w)| (e, w / total)).collect()
@@ -391,26 +495,37 @@ pub fn moe(
     forced: Option<&[usize]>,
     record: Option<&mut Vec<Vec<f32>>>,
 ) -> Vec<f32> {
-    let h = c.hidden_size;
     let logits = project(&m.router, u, n);
+    let routes = routes_of(c, &logits, n, forced);
+    if let Some(r) = record {
+        r.push(logits);
+    }
+    moe_experts(c, m, u, n, &routes)
+}
+
+/// The experts and weights of `n` tokens from their router logits `[n * num_experts]`: the router's top-k, or
+/// the `forced` experts (`[n * k]`).
+fn routes_of(c: &Config, logits: &[f32], n: usize, forced: Option<&[usize]>) -> Vec<Vec<(usize, f32)>> {
     let k = c.num_experts_per_tok;
-    let routes: Vec<Vec<(usize, f32)>> = match forced {
+    match forced {
         Some(f) => {
             assert_eq!(f.len(), n * k, "forced routing: {} experts for {n} tokens of top-{k}", f.len());
             logits.chunks_exact(c.num_experts).zip(f.chunks_exact(k)).map(|(l, e)| route_forced(l, e)).collect()
         }
         None => logits.chunks_exact(c.num_experts).map(|l| route(c, l)).collect(),
-    };
-    if let Some(r) = record {
-        r.push(logits);
     }
+}
+
+/// The shared expert and the routed experts of `n` tokens given their routes; each expert runs once over the
+/// tokens routed to it, and each token adds its experts' outputs in expert order.
+fn moe_experts(c: &Config, m: &Moe, u: &[f32], n: usize, routes: &[Vec<(usize, f32)>]) -> Vec<f32> {
+    let h = c.hidden_size;
     let mut out = mlp(&m.shared, u, n);
     let sg = project(&m.shared_gate, u, n);
     for t in 0..n {
         let gs = sigmoid(sg[t]);
         out[t * h..(t + 1) * h].iter_mut().for_each(|v| *v *= gs);
     }
-    // Group tokens by expert so each expert runs once over its tokens.
     for e in 0..c.num_experts {
         let picks: Vec<(usize, f32)> = routes
             .iter()

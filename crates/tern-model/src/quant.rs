@@ -459,51 +459,19 @@ impl Isa {
     }
 
     /// One row of `gemm`: `out[t] = row . x[t]` for the `out.len()` activation rows of `x` (`xsum`: their
-    /// group sums, `[n, groups]`).
+    /// group sums, `[n, groups]`). Each `out[t]` is computed by exactly the operations [`Isa::row_dot`] performs
+    /// for that activation row alone, so a row's result does not depend on how many rows are batched with it.
     fn row_gemm(self, row: Row, x: &[f32], xsum: &[f32], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if self == Isa::Avx2Fma {
             // SAFETY: as in `row_dot`.
             return unsafe { avx2::row_gemm(row, x, xsum, out) };
         }
-        // Portable: unpack each group once into a stack buffer, then one dot product per activation row.
-        let (gs, wpg, groups) = (row.gs, row.words_per_group(), row.scales.len());
-        let cols = gs * groups;
-        let mut buf = [0.0f32; MAX_GROUP];
-        let q = &mut buf[..gs];
-        out.fill(0.0);
-        for g in 0..groups {
-            self.decode(row.bits, &row.words[g * wpg..(g + 1) * wpg], q);
-            let (s, b) = (row.scales[g].to_f32(), row.biases[g].to_f32());
-            for (t, o) in out.iter_mut().enumerate() {
-                let xg = &x[t * cols + g * gs..t * cols + (g + 1) * gs];
-                *o += s * self.dot(q, xg) + b * xsum[t * groups + g];
-            }
-        }
-    }
-
-    /// Unpacks one group's codes to f32.
-    fn decode(self, bits: u32, words: &[u32], out: &mut [f32]) {
-        match self {
-            Isa::Scalar => scalar::decode(bits, words, out),
-            // SAFETY: as in `row_dot`.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma => unsafe { avx2::decode(bits, words, out) },
-            // SAFETY: as in `row_dot`.
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => unsafe { neon::decode(bits, words, out) },
-        }
-    }
-
-    fn dot(self, a: &[f32], b: &[f32]) -> f32 {
-        match self {
-            Isa::Scalar => scalar::dot(a, b),
-            // SAFETY: as in `row_dot`.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2Fma => unsafe { avx2::dot(a, b) },
-            // SAFETY: as in `row_dot`.
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => unsafe { neon::dot(a, b) },
+        // Portable: one row_dot per activation row (a NEON kernel that unpacks each group once for several rows
+        // while keeping row_dot's arithmetic is still to be written and checked on an ARM machine).
+        let (cols, groups) = (row.gs * row.scales.len(), row.scales.len());
+        for (t, o) in out.iter_mut().enumerate() {
+            *o = self.row_dot(row, &x[t * cols..(t + 1) * cols], &xsum[t * groups..(t + 1) * groups]);
         }
     }
 }
@@ -522,16 +490,6 @@ mod scalar {
                 s.to_f32() * qx + b.to_f32() * xs
             })
             .sum()
-    }
-
-    pub fn decode(bits: u32, words: &[u32], out: &mut [f32]) {
-        for (c, o) in out.iter_mut().enumerate() {
-            *o = unpack(bits, words, c) as f32;
-        }
-    }
-
-    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-        a.iter().zip(b).map(|(x, y)| x * y).sum()
     }
 }
 
@@ -598,7 +556,8 @@ mod avx2 {
     }
 
     /// `gemm` for one row: each group's codes are unpacked once into registers (a stack array the compiler
-    /// keeps in L1 at worst) and reused for up to four activation rows, each with its own accumulator.
+    /// keeps in L1 at worst) and reused for up to four activation rows, each with its own accumulator; per
+    /// activation row the same operations in the same order as `row_dot` (same lanes, same fused multiply-adds).
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn row_gemm(row: Row, x: &[f32], xsum: &[f32], out: &mut [f32]) {
         let (gs, wpg, groups) = (row.gs, row.words_per_group(), row.scales.len());
@@ -627,33 +586,13 @@ mod avx2 {
             }
             for (t, (o, a)) in out4.iter_mut().zip(acc).enumerate() {
                 let xs = &xsum[(t0 + t) * groups..(t0 + t + 1) * groups];
-                let bias: f32 = row.biases.iter().zip(xs).map(|(b, x)| b.to_f32() * x).sum();
+                let mut bias = 0.0f32; // as row_dot sums it (a fold from 0.0, not iterator sum's -0.0)
+                for (b, x) in row.biases.iter().zip(xs) {
+                    bias += b.to_f32() * x;
+                }
                 *o = hsum(a) + bias;
             }
         }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn decode(bits: u32, words: &[u32], out: &mut [f32]) {
-        let per8 = if bits == 4 { 1 } else { 2 }; // words per 8 columns
-        for (w, o) in words.chunks_exact(per8).zip(out.chunks_exact_mut(8)) {
-            let q = if bits == 4 { q4(w[0]) } else { q8(w) };
-            // SAFETY: `o` holds exactly 8 f32s.
-            _mm256_storeu_ps(o.as_mut_ptr(), q);
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (ac, bc) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
-            // SAFETY: `ac` and `bc` hold exactly 16 f32s each; loads read [0, 8) and [8, 16).
-            let (p, q) = (ac.as_ptr(), bc.as_ptr());
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(q), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(q.add(8)), a1);
-        }
-        let done = a.len().min(b.len()) / 16 * 16;
-        hsum(_mm256_add_ps(a0, a1)) + super::scalar::dot(&a[done..], &b[done..])
     }
 }
 
@@ -714,30 +653,6 @@ mod neon {
             bias_acc += b.to_f32() * xs;
         }
         vaddvq_f32(acc) + bias_acc
-    }
-
-    #[target_feature(enable = "neon")]
-    pub unsafe fn decode(bits: u32, words: &[u32], out: &mut [f32]) {
-        let per8 = if bits == 4 { 1 } else { 2 };
-        for (w, o) in words.chunks_exact(per8).zip(out.chunks_exact_mut(8)) {
-            let (q0, q1) = codes8(bits, w);
-            // SAFETY: `o` holds exactly 8 f32s; the stores write [0, 4) and [4, 8).
-            vst1q_f32(o.as_mut_ptr(), q0);
-            vst1q_f32(o.as_mut_ptr().add(4), q1);
-        }
-    }
-
-    #[target_feature(enable = "neon")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let (mut a0, mut a1) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
-        for (ac, bc) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-            // SAFETY: `ac` and `bc` hold exactly 8 f32s each; loads read [0, 4) and [4, 8).
-            let (p, q) = (ac.as_ptr(), bc.as_ptr());
-            a0 = vfmaq_f32(a0, vld1q_f32(p), vld1q_f32(q));
-            a1 = vfmaq_f32(a1, vld1q_f32(p.add(4)), vld1q_f32(q.add(4)));
-        }
-        let done = a.len().min(b.len()) / 8 * 8;
-        vaddvq_f32(vaddq_f32(a0, a1)) + super::scalar::dot(&a[done..], &b[done..])
     }
 }
 
@@ -880,6 +795,34 @@ mod tests {
                     }
                     let err = rel_err(&y, &reference(&m, &x, n));
                     assert!(err <= 1e-5, "bits {bits} [{rows}, {cols}] n {n}: rel err {err}");
+                }
+            }
+        }
+    }
+
+    /// A row of `gemm` is bit-identical to `gemv` of that activation row alone, on every kernel, whatever the
+    /// number of rows beside it (what lets a sequence in a batch compute exactly what it computes alone).
+    #[test]
+    fn gemm_rows_equal_gemv_bit_for_bit() {
+        let mut rng = Rng(4);
+        for isa in [Isa::Scalar, Isa::detect()] {
+            for bits in [4, 8] {
+                for gs in [32, 64, 128] {
+                    let (rows, cols) = (37, 384);
+                    let m =
+                        QuantMatrix::quantize_grouped(&weights(&mut rng, rows, cols), rows, cols, bits, gs).unwrap();
+                    for n in [2, 3, 4, 5, 9] {
+                        let x = rng.vec(n * cols);
+                        let mut y = vec![0.0; n * rows];
+                        m.gemm_with(isa, &x, n, &mut y);
+                        for t in 0..n {
+                            let mut one = vec![0.0; rows];
+                            m.gemv_with(isa, &x[t * cols..(t + 1) * cols], &mut one);
+                            let got: Vec<u32> = y[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect();
+                            let want: Vec<u32> = one.iter().map(|v| v.to_bits()).collect();
+                            assert_eq!(got, want, "{isa:?} bits {bits} gs {gs} n {n} row {t}");
+                        }
+                    }
                 }
             }
         }

@@ -46,7 +46,7 @@ pub(crate) async fn respond(r: &Ready, job: Job, count: Arc<TokenCount>) -> Resu
 
 /// Forward the engine's events into a tokio channel from a thread of its own; when the channel's receiver is
 /// gone (the client went away), the thread ends and drops the engine's receiver, which cancels the request.
-fn forward(rx: std::sync::mpsc::Receiver<Event>) -> Result<mpsc::Receiver<Event>, ApiError> {
+fn forward(rx: tern_engine::Events) -> Result<mpsc::Receiver<Event>, ApiError> {
     let (tx, out) = mpsc::channel(64);
     std::thread::Builder::new()
         .name("tern-forward".into())

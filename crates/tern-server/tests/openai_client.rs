@@ -29,7 +29,7 @@ fn openai_client_reasoning_and_tool_calls() {
     let scripted = |text: &str| {
         let (qwen, script) = (qwen.clone(), [tok.encode(text, false).unwrap(), vec![IM_END_ID]].concat());
         common::Server::start(
-            move || Model::with_backend(&qwen, Arc::new(ScriptedBackend { vocab: 248320, script })),
+            move || Model::with_backend(&qwen, Arc::new(ScriptedBackend::new(248320, script))),
             ServeOptions::default(),
         )
     };

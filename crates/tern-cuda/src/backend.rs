@@ -1,0 +1,191 @@
+//! The engine's [`Backend`] on CUDA — **the interim per-sequence implementation**, to be replaced by state pools
+//! and batched kernels (issue 12 items 3–5).
+//!
+//! What it does now: a slot table of whole [`DeviceState`]s (each allocates its KV cache for
+//! [`CudaOptions::max_context`] tokens up front, plus its own scratch and CUDA graph); a step runs its items one
+//! after the other ([`CudaSequence::read`]: one token through the batch-1 decode graph, a prompt chunk of several
+//! tokens through the prefill kernels), so a sequence's results are exactly those it gets alone. `Sample` work for plain greedy
+//! requests without logprobs takes the step's device argmax (4 bytes to the host); every other draw downloads the
+//! logits row and samples on the host with [`sample_host`]. Allocation and fork are fallible: a failed device
+//! allocation is [`AllocError::Full`] while other sequences hold memory (the engine waits or evicts cache
+//! snapshots) and [`AllocError::TooLarge`] when none do; a context above `max_context` is `TooLarge` at once.
+//!
+//! What replaces it: KV pages and GDN state slots from pools sized at start, scratch sized by the largest batch,
+//! one batched decode graph per batch-size bucket over all items of a step, prefill kernels for prompt chunks, and
+//! sampling on the device — behind the same trait, so the engine does not change.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use anyhow::{anyhow, Result};
+use cudarc::driver::{sys, DriverError};
+use tern_engine::backend::{check_item, panic_message, Slots};
+use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, Want, Work};
+
+use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState, LState};
+
+/// The CUDA backend behind the engine's seam (interim: one [`DeviceState`] per sequence, see the module doc).
+pub struct CudaSlots {
+    pub cuda: CudaBackend,
+    slots: Slots<CudaSequence>,
+}
+
+impl CudaSlots {
+    pub fn new(cuda: CudaBackend) -> CudaSlots {
+        CudaSlots { cuda, slots: Slots::default() }
+    }
+
+    fn opts(&self) -> CudaOptions {
+        self.cuda.opts
+    }
+
+    /// `AllocError` for a failed device allocation: out of memory with others holding some is "full".
+    fn no_room(&self, e: anyhow::Error, tokens: usize, others: Option<usize>) -> AllocError {
+        let oom = e
+            .chain()
+            .any(|c| c.downcast_ref::<DriverError>().is_some_and(|d| d.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        match (oom, others) {
+            (true, Some(need)) => {
+                let free = self.cuda.model.gpu.ctx.mem_get_info().map_or(0, |(free, _)| free);
+                AllocError::Full { need, free }
+            }
+            (true, None) => AllocError::TooLarge { tokens, max_tokens: 0 },
+            (false, _) => AllocError::Failed(format!("{e:#}")),
+        }
+    }
+
+    fn check_tokens(&self, tokens: usize) -> Result<(), AllocError> {
+        let max = self.opts().max_context;
+        if tokens > max {
+            return Err(AllocError::TooLarge { tokens, max_tokens: max });
+        }
+        Ok(())
+    }
+
+    fn insert(&self, seq: Result<CudaSequence>, tokens: usize) -> Result<SeqId, AllocError> {
+        let mut t = self.slots.lock();
+        // Every state has the same size (max_context fixes it): any live one's is what another needs.
+        let others = (!t.is_empty()).then(|| t.reserved_bytes() / t.len());
+        match seq {
+            Ok(s) => {
+                let bytes = device_bytes(&s.st);
+                Ok(t.insert(s, tokens, bytes))
+            }
+            Err(e) => Err(self.no_room(e, tokens, others)),
+        }
+    }
+
+    /// One item, alone, through the batch-1 graph.
+    fn run(seq: &mut CudaSequence, w: &Work) -> Result<Output> {
+        match &w.out {
+            Want::Nothing => seq.read(w.ids).map(|()| Output::Nothing),
+            Want::Last => seq.forward_ids(w.ids).map(Output::Logits),
+            Want::All if w.ids.len() > 1 => {
+                let model = seq.model.clone();
+                seq.st.prefill(&model, w.ids, true, false).map(|o| Output::Logits(o.logits))
+            }
+            Want::All => seq.forward_ids(w.ids).map(Output::Logits),
+            Want::Sample(s) if s.is_argmax() => {
+                seq.read(w.ids)?;
+                Ok(Output::Token(Sampled { token: device_argmax(seq, s.limit)?, logprob: None }))
+            }
+            Want::Sample(s) => {
+                let mut logits = seq.forward_ids(w.ids)?;
+                sample_host(&mut logits, s).map(Output::Token)
+            }
+        }
+    }
+}
+
+/// The step's own argmax (over the whole vocabulary, on the device): 4 bytes cross to the host instead of the
+/// logits; only if it lands at or past `limit` (a padded row beyond the tokenizer's ids) are the logits fetched.
+fn device_argmax(seq: &CudaSequence, limit: usize) -> Result<u32> {
+    let g = &seq.model.gpu;
+    let limit = limit.clamp(1, seq.model.config.vocab_size);
+    let t = g.download(&seq.st.tok)?.first().copied().ok_or_else(|| anyhow!("no argmax on the device"))? as usize;
+    if t < limit {
+        return Ok(t as u32);
+    }
+    let logits = g.download(&seq.st.logits)?;
+    let l = &logits[..limit.min(logits.len())];
+    Ok(l.iter().enumerate().fold(0, |b, (i, &v)| if v > l[b] { i } else { b }) as u32)
+}
+
+/// Device bytes of one sequence's state, scratch included.
+fn device_bytes(st: &DeviceState) -> usize {
+    let layers: usize = st
+        .layers
+        .iter()
+        .map(|l| match l {
+            LState::Attn { k, v } => k.num_bytes() + v.num_bytes(),
+            LState::Gdn { ring, s } => ring.num_bytes() + s.num_bytes(),
+        })
+        .sum();
+    let f32s = [&st.x, &st.proj, &st.o, &st.qbuf, &st.part, &st.act, &st.router, &st.wts, &st.logits, &st.apv];
+    let i32s = [&st.pos, &st.tok, &st.idx, &st.api];
+    layers
+        + f32s.iter().map(|b| b.num_bytes()).sum::<usize>()
+        + i32s.iter().map(|b| b.num_bytes()).sum::<usize>()
+        + st.counter.num_bytes()
+}
+
+impl Backend for CudaSlots {
+    fn name(&self) -> &str {
+        "cuda"
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cuda.model.config.vocab_size
+    }
+
+    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
+        self.check_tokens(tokens)?;
+        self.insert(self.cuda.new_cuda_sequence(), tokens)
+    }
+
+    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
+        self.check_tokens(tokens)?;
+        let copy = {
+            let t = self.slots.lock();
+            let s = t.get(seq).and_then(|s| s.state.as_ref()).ok_or(AllocError::Unknown(seq))?;
+            s.st.fork(&self.cuda.model.gpu).map(|st| CudaSequence { model: s.model.clone(), st })
+        };
+        let len = self.len(seq).unwrap_or(0);
+        self.insert(copy, tokens.max(len))
+    }
+
+    fn free(&self, seq: SeqId) {
+        let slot = self.slots.lock().remove(seq);
+        drop(slot); // device memory released outside the lock
+    }
+
+    fn len(&self, seq: SeqId) -> Option<usize> {
+        self.slots.lock().get(seq)?.state.as_ref().map(|s| s.st.len)
+    }
+
+    fn state_bytes(&self, seq: SeqId) -> usize {
+        self.slots.lock().get(seq).map_or(0, |s| s.bytes)
+    }
+
+    fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
+        let vocab = self.vocab_size();
+        let taken = self.slots.lock().take(work);
+        let mut out = Vec::with_capacity(work.len());
+        let mut back = Vec::with_capacity(work.len());
+        for (w, got) in work.iter().zip(taken) {
+            out.push(got.and_then(|(mut seq, reserved)| {
+                let r = check_item(w, vocab, seq.st.len, reserved).and_then(|()| {
+                    // Items run one by one here, so a panic in one fails that item only.
+                    catch_unwind(AssertUnwindSafe(|| Self::run(&mut seq, w)))
+                        .unwrap_or_else(|p| Err(anyhow!("internal error on the GPU: {}", panic_message(&*p))))
+                });
+                back.push((w.seq, seq));
+                r
+            }));
+        }
+        let mut t = self.slots.lock();
+        for (id, seq) in back {
+            t.put(id, seq);
+        }
+        out
+    }
+}
