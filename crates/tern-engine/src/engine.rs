@@ -5,7 +5,7 @@
 //! A request whose receiver is dropped (client gone) is cancelled at its next step and its state freed.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -152,6 +152,17 @@ pub struct Engine {
     pub stats: Arc<Stats>,
     pub config: EngineConfig,
     vocab: usize,
+    /// Cleared when the scheduler thread ends, however it ends (see [`Engine::is_running`]).
+    running: Arc<AtomicBool>,
+}
+
+/// Clears the running flag when the scheduler thread ends, returning or unwinding.
+struct RunningGuard(Arc<AtomicBool>);
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
 }
 
 impl Engine {
@@ -160,11 +171,22 @@ impl Engine {
         let stats = Arc::new(Stats::default());
         let vocab = backend.vocab_size();
         let (s, c) = (stats.clone(), config.clone());
+        let running = Arc::new(AtomicBool::new(true));
+        let guard = RunningGuard(running.clone());
         std::thread::Builder::new()
             .name("tern-scheduler".into())
-            .spawn(move || schedule(backend, tokenizer, rx, s, c))
+            .spawn(move || {
+                let _guard = guard;
+                schedule(backend, tokenizer, rx, s, c)
+            })
             .expect("cannot start the scheduler thread");
-        Engine { jobs: Arc::new(Mutex::new(tx)), stats, config, vocab }
+        Engine { jobs: Arc::new(Mutex::new(tx)), stats, config, vocab, running }
+    }
+
+    /// Whether the scheduler thread is still there to serve requests: false once it has ended (returned or
+    /// panicked), after which no request will be served and a health check should fail.
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::SeqCst)
     }
 
     /// Queue a request; events arrive on the returned receiver. Dropping it cancels the request.
@@ -182,15 +204,18 @@ impl Engine {
                 ctx: self.config.ctx_size,
             });
         }
+        // Room for max_concurrent running and max_queue waiting (max_queue 0: no waiting room, not no room).
         let waiting = self.stats.waiting.load(Ordering::SeqCst);
-        if waiting >= self.config.max_queue {
+        let active = self.stats.active.load(Ordering::SeqCst);
+        if waiting + active >= self.config.max_concurrent.max(1) + self.config.max_queue {
             return Err(SubmitError::QueueFull { waiting });
         }
         let (tx, rx) = mpsc::channel();
         self.stats.waiting.fetch_add(1, Ordering::SeqCst);
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
         let job = Job { req, events: tx, received: Instant::now() };
-        if self.jobs.lock().unwrap().send(job).is_err() {
+        let sent = self.jobs.lock().map(|jobs| jobs.send(job).is_ok()).unwrap_or(false);
+        if !sent {
             self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
             let (tx, rx) = mpsc::channel();
             let _ = tx.send(Event::Error("the engine has stopped".into()));
