@@ -300,17 +300,17 @@ def bigprompt_suite(root, pid):
     stop.set()
     for t in side:
         t.join(60)
-    for path, param, r in results:
-        error_shape(r, 400, param, "context_length_exceeded")
-    check(len(results) == len(senders), f"{len(results)} answers")
     print(f"big prompts answered in {took:.1f} s; /health max {max(health) * 1e3:.0f} ms over {len(health)} polls; "
           f"stream: max gap {max(gaps[1:]) * 1e3:.0f} ms over {len(gaps)} chunks")
-    check(len(health) >= 5 and max(health) < 1.0, f"/health took up to {max(health):.2f} s")
-    check(len(gaps) > 10 and max(gaps[1:]) < 2.0, f"another client's stream stalled {max(gaps[1:]):.2f} s")
     time.sleep(1.0)
     rss1 = rss_mib(pid)
     print(f"RSS {rss0:.0f} MiB before, {rss1:.0f} MiB after")
-    check(rss1 < rss0 + 200, f"RSS grew from {rss0:.0f} to {rss1:.0f} MiB")
+    check(len(health) >= 5 and max(health) < 1.0, f"/health took up to {max(health):.2f} s")
+    check(len(gaps) > 10 and max(gaps[1:]) < 2.0, f"another client's stream stalled {max(gaps[1:]):.2f} s")
+    check(rss1 < rss0 + 100, f"RSS grew from {rss0:.0f} to {rss1:.0f} MiB")
+    check(len(results) == len(senders), f"{len(results)} answers")
+    for path, param, r in results:
+        error_shape(r, 400, param, "context_length_exceeded")
 
 
 def conns_suite(root, key):
@@ -442,6 +442,7 @@ def shutdown_suite(root, pid, log):
         t.join(10)
     # Queued requests are answered 503 at once.
     for name in ("queued", "queued_stream"):
+        check(name in results, f"{name}: no answer within 10 s of SIGTERM")
         status, at, body, headers = results[name]
         check(status == 503 and body["error"]["code"] == "shutting_down", f"{name}: {status} {body}")
         check(headers.get("retry-after") is not None, headers)
