@@ -10,7 +10,7 @@ flags each suite needs (given below) and passes its pid and log file; exits non-
   --suite bigprompt  (defaults): 8 MiB prompts froze /health and other streams and left RSS 1.5 GB higher
   --suite conns     --max-connections 100 --header-timeout 2 --body-timeout 2 --keep-alive-timeout 1
                     --api-key K --metrics-public: half-sent requests held connections forever; no cap, no timeouts
-  --suite shutdown  --max-concurrent 1 --shutdown-grace 3: SIGTERM waited for every stream however long
+  --suite shutdown  --max-concurrent 2 --shutdown-grace 3: SIGTERM waited for every stream however long
   --suite twice     --shutdown-grace 60: a second signal was ignored
   --suite queue     --max-concurrent 1 --max-queue 2: clients that left while queued kept their place
   --suite fuzz      --ctx-size 256: every request field fuzzed; zero 5xx, zero dropped connections
@@ -428,9 +428,11 @@ def shutdown_suite(root, pid, log):
             results[name] = ("failed", time.time(), repr(e), None)
 
     long = {"prompt": "An endless story:", "max_tokens": 30000, "temperature": 0}
-    running = threading.Thread(target=request, args=("running", dict(long, stream=True), True))
-    running.start()
-    wait_for("the stream to run", lambda: Api(root).metrics()["tern_requests_running"] == 1)
+    running = [threading.Thread(target=request, args=("running", dict(long, stream=True), True)),
+               threading.Thread(target=request, args=("running_whole", dict(long, prompt="Another one:"), False))]
+    for t in running:
+        t.start()
+    wait_for("both to run", lambda: Api(root).metrics()["tern_requests_running"] == 2)
     queued = [threading.Thread(target=request, args=("queued", dict(long, max_tokens=5), False)),
               threading.Thread(target=request, args=("queued_stream", dict(long, max_tokens=5, stream=True), True))]
     for t in queued:
@@ -454,8 +456,13 @@ def shutdown_suite(root, pid, log):
         raise AssertionError("a new connection was accepted after SIGTERM")
     except ConnectionRefusedError:
         pass
-    # The running stream goes on until the grace (3 s) is over, then ends with a finish_reason and [DONE].
-    running.join(20)
+    # The running stream goes on until the grace (3 s) is over, then ends with a finish_reason and [DONE]; a
+    # running non-streaming request answers with the text so far.
+    for t in running:
+        t.join(20)
+    status, at, whole, _ = results["running_whole"]
+    check(status == 200 and whole["choices"][0]["finish_reason"] == "length", f"running_whole: {status} {whole}")
+    check(whole["usage"]["completion_tokens"] > 20 and 2.5 < at - t0 < 7, f"{at - t0:.1f} s: {whole['usage']}")
     status, at, events, _ = results["running"]
     check(status == 200, f"running stream: {status} {events}")
     check(2.5 < at - t0 < 7, f"the running stream ended {at - t0:.1f} s after SIGTERM (grace 3 s)")

@@ -200,12 +200,12 @@ fn connections_are_capped_and_timed_out() {
 fn shutdown_has_a_deadline() {
     let _turn = turn();
     let Some(model) = setup("shutdown_has_a_deadline") else { return };
-    let mut server = Server::start("shutdown", &model, &["--max-concurrent", "1", "--shutdown-grace", "3"]);
+    let mut server = Server::start("shutdown", &model, &["--max-concurrent", "2", "--shutdown-grace", "3"]);
     server.suite("shutdown", &[]);
     let status = server.wait(Duration::from_secs(10)).expect("tern serve still running 10 s after the cut");
     let log = server.log_text();
     assert!(status.success(), "exit {status}: {log}");
-    assert!(log.contains("end=cut_at_shutdown"), "no log line for the cut stream: {log}");
+    assert_eq!(log.matches("end=cut_at_shutdown").count(), 2, "no log line for a cut request: {log}");
     let refused = log.lines().filter(|l| l.starts_with("POST /v1/completions 503 ")).count();
     assert_eq!(refused, 2, "two queued requests refused: {log}");
     assert!(log.contains("tern: stopped"), "{log}");

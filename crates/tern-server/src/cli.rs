@@ -52,9 +52,9 @@ pub struct Args {
     /// Seconds a connection with no request in flight is kept open.
     #[arg(long, default_value = "5", value_parser = seconds)]
     pub keep_alive_timeout: Duration,
-    /// Seconds running requests have to finish after SIGTERM/SIGINT before they are cut (a second signal exits
-    /// at once).
-    #[arg(long, default_value = "30", value_parser = seconds)]
+    /// Seconds running requests have to finish after SIGTERM/SIGINT before they are cut with a final chunk (a
+    /// second signal exits at once); under the 30 s Kubernetes waits before its SIGKILL.
+    #[arg(long, default_value = "25", value_parser = seconds)]
     pub shutdown_grace: Duration,
     /// Requests rendered and tokenised at once, on threads of their own (default: half the cores).
     #[arg(long)]

@@ -93,7 +93,7 @@ impl Default for ServeOptions {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(60),
             keep_alive_timeout: Duration::from_secs(5),
-            shutdown_grace: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(25),
             tokenizer_threads: default_tokenizer_threads(),
         }
     }
