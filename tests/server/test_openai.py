@@ -12,8 +12,12 @@ import json
 import threading
 import time
 
-import httpx
 import openai
+
+try:
+    import httpx
+except ImportError:  # openai 3.x ships its HTTP client as httpx2
+    import httpx2 as httpx
 
 
 def check(cond, what):
@@ -131,7 +135,7 @@ def real_suite(base, key):
     expect_error(400, lambda: chat(model=model, messages=[]), "messages")
     expect_error(400, lambda: chat(model=model, messages=[{"role": "wizard", "content": "x"}]))
     expect_error(400, lambda: chat(model=model, messages=[{"role": "system", "content": "only system"}]))
-    expect_error(400, lambda: chat(model=model, messages=user, max_tokens=ctx + 10), "messages",
+    expect_error(400, lambda: chat(model=model, messages=user, max_tokens=ctx + 10), "max_tokens",
                  [str(ctx), str(ctx + 10)])
     expect_error(400, lambda: chat(model=model, messages=user, n=2), "n")
     expect_error(400, lambda: chat(model=model, messages=user, response_format={"type": "json_object"}),
@@ -154,7 +158,8 @@ def real_suite(base, key):
     check(httpx.get(f"{root}/health").status_code == 200, "health after errors")
     r = client.chat.completions.create(model=model, messages=user, max_tokens=2)
     check(r.usage.completion_tokens <= 2, r)
-    metrics = httpx.get(f"{root}/metrics").text
+    check(httpx.get(f"{root}/metrics").status_code == 401, "/metrics is behind the key")
+    metrics = httpx.get(f"{root}/metrics", headers={"Authorization": f"Bearer {key}"}).text
     for name in ("tern_requests_total", "tern_prompt_tokens_total", "tern_completion_tokens_total",
                  "tern_time_to_first_token_seconds_sum", "tern_decode_tokens_per_second", "tern_queue_depth"):
         check(name in metrics, f"{name} in /metrics")

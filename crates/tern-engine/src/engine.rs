@@ -336,8 +336,10 @@ impl Engine {
                 ctx: self.config.ctx_size,
             });
         }
+        // Room for max_concurrent running and max_queue waiting (max_queue 0: no waiting room, not no room).
         let waiting = self.stats.waiting.load(Ordering::SeqCst);
-        if waiting >= self.config.max_queue {
+        let active = self.stats.active.load(Ordering::SeqCst);
+        if waiting + active >= self.config.max_concurrent.max(1) + self.config.max_queue {
             return Err(SubmitError::QueueFull { waiting });
         }
         let (tx, rx) = mpsc::channel();

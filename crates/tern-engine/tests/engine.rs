@@ -159,7 +159,96 @@ fn submit_errors_carry_their_numbers() {
     assert!(msg.contains("100") && msg.contains("60") && msg.contains("50"), "{msg}");
     assert_eq!(engine.submit(greedy(vec![], 5)).unwrap_err(), SubmitError::EmptyPrompt);
     assert_eq!(engine.submit(greedy(vec![384], 5)).unwrap_err(), SubmitError::BadToken { id: 384, vocab: 384 });
-    assert!(matches!(engine.submit(greedy(vec![1], 5)).unwrap_err(), SubmitError::QueueFull { .. }));
+    // max_queue 0 is no waiting room, not no room: an idle engine takes a request.
+    let (toks, done) = collect(&engine, greedy(vec![1], 5));
+    assert_eq!((toks.len(), matches!(done, Event::Done { .. })), (5, true));
+}
+
+/// A scripted backend (always token 7) whose steps take `delay` and panic when `panic` is set: for queueing and
+/// failure tests that must not race the engine.
+struct SlowBackend {
+    inner: ScriptedBackend,
+    delay: Duration,
+    panic: bool,
+}
+
+impl SlowBackend {
+    fn new(delay: Duration, panic: bool) -> SlowBackend {
+        SlowBackend { inner: ScriptedBackend::new(384, vec![7]), delay, panic }
+    }
+}
+
+impl Backend for SlowBackend {
+    fn name(&self) -> &str {
+        "slow"
+    }
+    fn vocab_size(&self) -> usize {
+        384
+    }
+    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
+        self.inner.alloc(tokens)
+    }
+    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
+        self.inner.fork(seq, tokens)
+    }
+    fn free(&self, seq: SeqId) {
+        self.inner.free(seq)
+    }
+    fn len(&self, seq: SeqId) -> Option<usize> {
+        self.inner.len(seq)
+    }
+    fn state_bytes(&self, seq: SeqId) -> usize {
+        self.inner.state_bytes(seq)
+    }
+    fn step(&self, work: &[Work]) -> Vec<anyhow::Result<Output>> {
+        std::thread::sleep(self.delay);
+        assert!(!self.panic, "SlowBackend: a backend failure");
+        self.inner.step(work)
+    }
+}
+
+/// `max_queue: 0` takes a request while a slot is free and refuses one while every slot is busy.
+#[test]
+fn max_queue_zero_is_no_waiting_room() {
+    let tok = tok_or_skip!("max_queue_zero_is_no_waiting_room");
+    let backend = Arc::new(SlowBackend::new(Duration::from_millis(20), false));
+    let config = EngineConfig { max_concurrent: 1, max_queue: 0, ..EngineConfig::default() };
+    let engine = Engine::start(backend, tok, config);
+    let running = engine.submit(greedy(vec![1, 2], 1000)).unwrap();
+    assert!(matches!(running.recv().unwrap(), Event::Token { .. }));
+    assert_eq!(engine.submit(greedy(vec![3], 2)).unwrap_err(), SubmitError::QueueFull { waiting: 0 });
+    drop(running); // cancelled at its next step: the slot frees
+    let t0 = Instant::now();
+    while engine.stats.active.load(std::sync::atomic::Ordering::SeqCst) != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "cancelled sequence still active");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (toks, _) = collect(&engine, greedy(vec![3], 2));
+    assert_eq!(toks, vec![7, 7]);
+}
+
+/// `is_running` tells whether requests can still be served: after a backend panics while stepping a request,
+/// either that request failed with an error and the engine goes on, or the engine has stopped and says so.
+#[test]
+fn is_running_tells_whether_requests_can_be_served() {
+    let tok = tok_or_skip!("is_running_tells_whether_requests_can_be_served");
+    let engine = Engine::start(Arc::new(SlowBackend::new(Duration::ZERO, true)), tok, EngineConfig::default());
+    assert!(engine.is_running());
+    let rx = engine.submit(greedy(vec![1], 3)).unwrap();
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Event::Error(e)) => {
+            assert!(e.contains("backend failure"), "{e}");
+            assert!(engine.is_running(), "the request failed alone, yet the engine says it stopped");
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            let t0 = Instant::now();
+            while engine.is_running() {
+                assert!(t0.elapsed() < Duration::from_secs(5), "the scheduler is gone but is_running says true");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        other => panic!("expected an error or a stopped engine, got {other:?}"),
+    }
 }
 
 #[test]

@@ -1,13 +1,13 @@
 //! OpenAI request bodies: parsing and validation into engine requests, with OpenAI-shaped errors.
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use tern_engine::{Request, SubmitError};
+use tern_engine::{EngineConfig, Request, SubmitError};
 use tern_text::{ChatOptions, SamplingParams};
 
-use crate::{RawBody, Ready};
+use crate::Ready;
 
 /// An OpenAI-style error response.
 #[derive(Debug)]
@@ -17,11 +17,38 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     pub param: Option<String>,
     pub message: String,
+    /// Seconds for a `Retry-After` header (503s the client should retry).
+    pub retry_after: Option<u32>,
+    /// Close the connection after this response (the client misbehaved, or its body was not read).
+    pub close: bool,
+}
+
+/// How an error response is described in the request log (set on every [`ApiError`] response).
+#[derive(Clone, Debug)]
+pub(crate) struct ErrorTag(pub String);
+
+/// At most this many characters of a client's value are echoed in an error message.
+const ECHO_CHARS: usize = 64;
+
+/// `s`, cut to [`ECHO_CHARS`] characters (with "..." when cut): client text quoted back in errors and logs.
+pub(crate) fn clip(s: &str) -> String {
+    match s.char_indices().nth(ECHO_CHARS) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_owned(),
+    }
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, kind, code: Some(code), param: None, message: message.into() }
+        ApiError {
+            status,
+            kind,
+            code: Some(code),
+            param: None,
+            message: message.into(),
+            retry_after: None,
+            close: false,
+        }
     }
 
     /// 400 about one request field.
@@ -32,11 +59,21 @@ impl ApiError {
             code: None,
             param: Some(param.into()),
             message: message.into(),
+            retry_after: None,
+            close: false,
         }
     }
 
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", message)
+    }
+
+    /// 503 with `Retry-After: seconds`.
+    pub fn unavailable(code: &'static str, message: impl Into<String>, retry_after: u32) -> ApiError {
+        ApiError {
+            retry_after: Some(retry_after),
+            ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", code, message)
+        }
     }
 
     pub fn json(&self) -> Value {
@@ -46,22 +83,40 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.json())).into_response()
+        let tag = match (&self.code, &self.param) {
+            (Some(code), _) => format!("error {code}: {}", clip(&self.message)),
+            (None, Some(param)) => format!("error param={param}: {}", clip(&self.message)),
+            (None, None) => format!("error: {}", clip(&self.message)),
+        };
+        let mut res = (self.status, Json(self.json())).into_response();
+        if let Some(s) = self.retry_after {
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if self.close {
+            res.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        res.extensions_mut().insert(ErrorTag(tag));
+        res
     }
 }
 
-impl From<SubmitError> for ApiError {
-    fn from(e: SubmitError) -> ApiError {
-        let msg = e.to_string();
-        match e {
-            SubmitError::QueueFull { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "queue_full", msg)
-            }
-            SubmitError::TooLong { .. } => {
-                ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid("messages", msg) }
-            }
-            SubmitError::EmptyPrompt | SubmitError::BadToken { .. } => ApiError::invalid("prompt", msg),
+/// A refused submission as an OpenAI error; `prompt_param` names the prompt field (`messages` or `prompt`).
+pub(crate) fn submit_error(e: SubmitError, cfg: &EngineConfig, prompt_param: &str) -> ApiError {
+    let msg = e.to_string();
+    match e {
+        SubmitError::QueueFull { waiting } => ApiError::unavailable(
+            "queue_full",
+            format!(
+                "the server is busy: every one of its {} slots is taken and {waiting} requests are waiting \
+                 (--max-concurrent {}, --max-queue {}); retry later",
+                cfg.max_concurrent, cfg.max_concurrent, cfg.max_queue
+            ),
+            1,
+        ),
+        SubmitError::TooLong { .. } => {
+            ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(prompt_param, msg) }
         }
+        SubmitError::EmptyPrompt | SubmitError::BadToken { .. } => ApiError::invalid(prompt_param, msg),
     }
 }
 
@@ -69,16 +124,8 @@ impl From<SubmitError> for ApiError {
 pub(crate) struct Body(Map<String, Value>);
 
 impl Body {
-    pub fn parse(raw: RawBody) -> Result<Body, ApiError> {
-        let bytes = raw.map_err(|rej| {
-            let status = rej.status();
-            let (kind, code) = match status {
-                StatusCode::PAYLOAD_TOO_LARGE => ("invalid_request_error", "payload_too_large"),
-                _ => ("invalid_request_error", "invalid_body"),
-            };
-            ApiError::new(status, kind, code, format!("cannot read the request body: {}", rej.body_text()))
-        })?;
-        match serde_json::from_slice(&bytes) {
+    pub fn parse(bytes: &[u8]) -> Result<Body, ApiError> {
+        match serde_json::from_slice(bytes) {
             Ok(Value::Object(map)) => Ok(Body(map)),
             Ok(_) => Err(ApiError::invalid("body", "the request body must be a JSON object")),
             Err(e) => {
@@ -100,11 +147,18 @@ impl Body {
         Ok(Some(x))
     }
 
+    /// An integer in `lo..=hi`. Integers past 64 bits (which JSON parsing reads as floats) and integral floats
+    /// saturate to `i64`, so that they are refused or clamped with the others instead of reading as "not an
+    /// integer".
     fn int(&self, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
         let Some(v) = self.get(key) else { return Ok(None) };
-        let x = v.as_i64().ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be an integer")))?;
+        let x = v
+            .as_i64()
+            .or_else(|| v.as_u64().map(|_| i64::MAX))
+            .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+            .ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be an integer")))?;
         if !(lo..=hi).contains(&x) {
-            return Err(ApiError::invalid(key, format!("'{key}' must be between {lo} and {hi}, got {x}")));
+            return Err(ApiError::invalid(key, format!("'{key}' must be between {lo} and {hi}, got {v}")));
         }
         Ok(Some(x))
     }
@@ -137,6 +191,8 @@ pub(crate) struct Job {
     pub include_usage: bool,
     /// `None` for /v1/completions (raw text out).
     pub chat: Option<ChatOutput>,
+    /// The field holding the prompt (`messages` or `prompt`), for errors about it.
+    pub prompt_param: String,
 }
 
 /// How chat output is parsed.
@@ -154,49 +210,75 @@ pub(crate) fn check_model(r: &Ready, model: Option<&str>) -> Result<(), ApiError
         Some(m) if m != r.name => Err(ApiError {
             status: StatusCode::NOT_FOUND,
             code: Some("model_not_found"),
-            ..ApiError::invalid("model", format!("the model '{m}' does not exist; this server serves '{}'", r.name))
+            ..ApiError::invalid(
+                "model",
+                format!("the model '{}' does not exist; this server serves '{}'", clip(m), r.name),
+            )
         }),
         _ => Ok(()),
     }
 }
 
+/// Most entries of `logit_bias` (each is applied to every token's logits).
+pub(crate) const MAX_LOGIT_BIAS: usize = 1024;
+/// Most stop strings, and bytes in each (each is matched against the output at every token).
+pub(crate) const MAX_STOP_STRINGS: usize = 16;
+pub(crate) const MAX_STOP_BYTES: usize = 512;
+/// Most alternatives per token (`top_logprobs`, or `logprobs` of /v1/completions).
+pub(crate) const MAX_LOGPROBS: i64 = 20;
+
+/// The fields both endpoints share, validated before any prompt is rendered or tokenised (a bad field costs
+/// nothing, however long the prompt).
+struct Options {
+    stream: bool,
+    include_usage: bool,
+    sampling: SamplingParams,
+    stop_strings: Vec<String>,
+    logprobs: Option<usize>,
+    /// The requested completion length and the field it came from.
+    max_tokens: Option<(usize, &'static str)>,
+}
+
 pub(crate) fn chat_job(r: &Ready, b: &Body) -> Result<Job, ApiError> {
     check_model(r, b.str("model")?)?;
-    let (text, chat) = render_chat(r, b)?;
-    let mut prompt = encode(r, &text)?;
-    prompt.extend(encode(r, &chat.prefix)?);
-    let logprobs = match (b.bool("logprobs")?, b.int("top_logprobs", 0, 20)?) {
+    let logprobs = match (b.bool("logprobs")?, b.int("top_logprobs", 0, MAX_LOGPROBS)?) {
         (Some(true), k) => Some(k.unwrap_or(0) as usize),
         (_, Some(_)) => return Err(ApiError::invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")),
         _ => None,
     };
     let max = match b.get("max_completion_tokens") {
-        Some(_) => b.int("max_completion_tokens", 1, i64::MAX)?,
-        None => b.int("max_tokens", 1, i64::MAX)?,
+        Some(_) => max_tokens(b, "max_completion_tokens")?,
+        None => max_tokens(b, "max_tokens")?,
     };
-    job(r, b, prompt, max, logprobs, Some(chat))
+    let opts = options(r, b, logprobs, max)?;
+    let (text, chat) = render_chat(r, b)?;
+    let mut prompt = encode_prompt(r, &text, "messages")?;
+    prompt.extend(encode(r, &chat.prefix)?);
+    job(r, opts, prompt, "messages", Some(chat))
 }
 
 pub(crate) fn completion_job(r: &Ready, b: &Body) -> Result<Job, ApiError> {
     check_model(r, b.str("model")?)?;
-    let prompt = completion_prompt(r, b)?;
     if b.bool("echo")? == Some(true) {
         return Err(ApiError::invalid("echo", "'echo' is not supported"));
     }
     b.int("best_of", 1, 1).map_err(|_| ApiError::invalid("best_of", "only 'best_of': 1 is supported"))?;
-    let logprobs = b.int("logprobs", 0, 20)?.map(|k| k as usize);
-    job(r, b, prompt, b.int("max_tokens", 1, i64::MAX)?, logprobs, None)
+    let logprobs = b.int("logprobs", 0, MAX_LOGPROBS)?.map(|k| k as usize);
+    let opts = options(r, b, logprobs, max_tokens(b, "max_tokens")?)?;
+    let prompt = completion_prompt(r, b)?;
+    job(r, opts, prompt, "prompt", None)
 }
 
-/// The fields shared by both endpoints.
-fn job(
+fn max_tokens(b: &Body, key: &'static str) -> Result<Option<(usize, &'static str)>, ApiError> {
+    Ok(b.int(key, 1, i64::MAX)?.map(|m| (usize::try_from(m).unwrap_or(usize::MAX), key)))
+}
+
+fn options(
     r: &Ready,
     b: &Body,
-    prompt: Vec<u32>,
-    max_tokens: Option<i64>,
     logprobs: Option<usize>,
-    chat: Option<ChatOutput>,
-) -> Result<Job, ApiError> {
+    max_tokens: Option<(usize, &'static str)>,
+) -> Result<Options, ApiError> {
     b.int("n", 1, 1).map_err(|_| ApiError::invalid("n", "only 'n': 1 is supported"))?;
     b.str("user")?;
     if let Some(f) = b.object("response_format")? {
@@ -205,7 +287,7 @@ fn job(
             Some(t) => {
                 return Err(ApiError::invalid(
                     "response_format",
-                    format!("response_format type '{t}' is not supported; only 'text' is"),
+                    format!("response_format type '{}' is not supported; only 'text' is", clip(t)),
                 ))
             }
         }
@@ -215,17 +297,54 @@ fn job(
         Some(o) => o.bool("include_usage")?.unwrap_or(false),
         None => false,
     };
-    // Without max_tokens the reply may fill the context (at least one token, so an over-long prompt is an error).
-    let max_tokens = max_tokens.map_or(r.engine.config.ctx_size.saturating_sub(prompt.len()).max(1), |m| m as usize);
+    Ok(Options { stream, include_usage, sampling: sampling(r, b)?, stop_strings: stop(b)?, logprobs, max_tokens })
+}
+
+/// The context-length error, naming the field to shorten: the prompt's if the prompt alone leaves no room for a
+/// token, else the requested completion length's.
+fn too_long(param: &str, message: String) -> ApiError {
+    ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(param, message) }
+}
+
+/// The request, once its prompt is known to fit the context with room for the reply.
+fn job(r: &Ready, o: Options, prompt: Vec<u32>, prompt_param: &str, chat: Option<ChatOutput>) -> Result<Job, ApiError> {
+    let (ctx, n) = (r.engine.config.ctx_size, prompt.len());
+    if n == 0 {
+        return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
+    }
+    if n >= ctx {
+        return Err(too_long(
+            prompt_param,
+            format!(
+                "this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens, which leaves \
+                 no room for the completion"
+            ),
+        ));
+    }
+    // Without max_tokens the reply may fill the context.
+    let max_tokens = match o.max_tokens {
+        None => ctx - n,
+        Some((m, param)) if n.saturating_add(m) > ctx => {
+            return Err(too_long(
+                param,
+                format!(
+                    "this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens and {m} \
+                     were requested for the completion ({} in all)",
+                    n.saturating_add(m)
+                ),
+            ))
+        }
+        Some((m, _)) => m,
+    };
     let request = Request {
         prompt,
-        sampling: sampling(r, b)?,
+        sampling: o.sampling,
         max_tokens,
-        stop_strings: stop(b)?,
+        stop_strings: o.stop_strings,
         stop_ids: r.stop_ids.clone(),
-        logprobs,
+        logprobs: o.logprobs,
     };
-    Ok(Job { request, stream, include_usage, chat })
+    Ok(Job { request, stream: o.stream, include_usage: o.include_usage, chat, prompt_param: prompt_param.into() })
 }
 
 fn sampling(r: &Ready, b: &Body) -> Result<SamplingParams, ApiError> {
@@ -241,19 +360,27 @@ fn sampling(r: &Ready, b: &Body) -> Result<SamplingParams, ApiError> {
     set(&mut s.presence_penalty, b.num("presence_penalty", -2.0, 2.0)?);
     set(&mut s.frequency_penalty, b.num("frequency_penalty", -2.0, 2.0)?);
     set(&mut s.repetition_penalty, b.num("repetition_penalty", 0.01, 10.0)?);
+    let vocab = r.tokenizer.vocab_size();
+    // -1 or 0: no cut; past the vocabulary: clamped to it (the same: no cut).
     if let Some(k) = b.int("top_k", -1, i64::MAX)? {
-        s.top_k = k.max(0) as usize;
+        s.top_k = usize::try_from(k.max(0)).unwrap_or(usize::MAX).min(vocab);
     }
     if let Some(seed) = b.get("seed") {
         let seed = seed.as_i64().map(|x| x as u64).or(seed.as_u64());
         s.seed = Some(seed.ok_or_else(|| ApiError::invalid("seed", "'seed' must be an integer"))?);
     }
     if let Some(bias) = b.object("logit_bias")? {
-        let vocab = r.tokenizer.vocab_size();
+        if bias.0.len() > MAX_LOGIT_BIAS {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {}", bias.0.len()),
+            ));
+        }
         for (k, v) in bias.0 {
             let id = k.parse::<u32>().ok().filter(|&i| (i as usize) < vocab);
-            let id =
-                id.ok_or_else(|| ApiError::invalid("logit_bias", format!("'{k}' is not a token id below {vocab}")))?;
+            let id = id.ok_or_else(|| {
+                ApiError::invalid("logit_bias", format!("'{}' is not a token id below {vocab}", clip(&k)))
+            })?;
             let v = v.as_f64().filter(|v| (-100.0..=100.0).contains(v));
             let v =
                 v.ok_or_else(|| ApiError::invalid("logit_bias", "logit_bias values must be numbers in -100..100"))?;
@@ -264,16 +391,24 @@ fn sampling(r: &Ready, b: &Body) -> Result<SamplingParams, ApiError> {
 }
 
 fn stop(b: &Body) -> Result<Vec<String>, ApiError> {
-    let bad = || ApiError::invalid("stop", "'stop' must be a string or a list of up to 16 non-empty strings");
+    let bad = || {
+        ApiError::invalid(
+            "stop",
+            format!(
+                "'stop' must be a string or a list of up to {MAX_STOP_STRINGS} strings, each of 1 to \
+                 {MAX_STOP_BYTES} bytes"
+            ),
+        )
+    };
     let list = match b.get("stop") {
         None => vec![],
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) if a.len() <= 16 => {
+        Some(Value::Array(a)) if a.len() <= MAX_STOP_STRINGS => {
             a.iter().map(|v| v.as_str().map(str::to_owned).ok_or_else(bad)).collect::<Result<_, _>>()?
         }
         Some(_) => return Err(bad()),
     };
-    if list.iter().any(String::is_empty) {
+    if list.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
         return Err(bad());
     }
     Ok(list)
@@ -281,6 +416,24 @@ fn stop(b: &Body) -> Result<Vec<String>, ApiError> {
 
 fn encode(r: &Ready, text: &str) -> Result<Vec<u32>, ApiError> {
     r.tokenizer.encode(text, false).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+}
+
+/// Tokenise a prompt, refusing at once (before the costly encoding) a text too long to fit the context whatever
+/// its tokens: [`tern_text::Tokenizer::min_tokens`] is a lower bound of their number.
+fn encode_prompt(r: &Ready, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
+    let ctx = r.engine.config.ctx_size;
+    let at_least = r.tokenizer.min_tokens(text);
+    if at_least >= ctx {
+        return Err(too_long(
+            param,
+            format!(
+                "this model's maximum context length is {ctx} tokens, but the prompt is {} bytes long: at least \
+                 {at_least} tokens",
+                text.len()
+            ),
+        ));
+    }
+    encode(r, text)
 }
 
 /// The prompt of /v1/completions: a string, a list of token ids, or a one-element list of either.
@@ -295,7 +448,7 @@ fn completion_prompt(r: &Ready, b: &Body) -> Result<Vec<u32>, ApiError> {
         }
     }
     match p {
-        Value::String(s) => encode(r, s),
+        Value::String(s) => encode_prompt(r, s, "prompt"),
         Value::Array(a) => a
             .iter()
             .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| bad("token ids must be integers")))
@@ -332,7 +485,7 @@ fn render_chat(r: &Ready, b: &Body) -> Result<(String, ChatOutput), ApiError> {
             if !names.iter().any(|n| n == name) {
                 return Err(ApiError::invalid(
                     "tool_choice",
-                    format!("tool_choice names '{name}', which is not in 'tools'"),
+                    format!("tool_choice names '{}', which is not in 'tools'", clip(name)),
                 ));
             }
             tools.retain(|t| t["function"]["name"] == name);

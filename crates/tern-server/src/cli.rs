@@ -1,5 +1,7 @@
 //! `tern serve`: arguments and entry point.
 
+use std::time::Duration;
+
 use anyhow::Result;
 
 use crate::ServeOptions;
@@ -19,22 +21,54 @@ pub struct Args {
     /// Port to listen on (0 picks a free one; the "listening on" line says which).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` (also read from TERN_API_KEY).
+    /// Require `Authorization: Bearer KEY` on every route but /health (also read from TERN_API_KEY; an empty
+    /// key is refused).
     #[arg(long, env = "TERN_API_KEY")]
     pub api_key: Option<String>,
+    /// Serve /metrics without the API key.
+    #[arg(long)]
+    pub metrics_public: bool,
     /// Context length per sequence (prompt + completion).
     #[arg(long, default_value_t = 32768)]
     pub ctx_size: usize,
     /// Sequences decoded at once.
     #[arg(long, default_value_t = 8)]
     pub max_concurrent: usize,
-    /// Requests waiting beyond the running ones before the server answers 503.
+    /// Requests waiting beyond the running ones before the server answers 503 (0: none wait).
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    /// Larger request bodies get 413.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Open connections; past this a new connection gets a 503 and is closed.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+    /// Seconds a connection has to send a complete request head (from when it opens or its last response).
+    #[arg(long, default_value = "10", value_parser = seconds)]
+    pub header_timeout: Duration,
+    /// Seconds a request body has to arrive whole (408 otherwise).
+    #[arg(long, default_value = "60", value_parser = seconds)]
+    pub body_timeout: Duration,
+    /// Seconds a connection with no request in flight is kept open.
+    #[arg(long, default_value = "5", value_parser = seconds)]
+    pub keep_alive_timeout: Duration,
+    /// Seconds running requests have to finish after SIGTERM/SIGINT before they are cut with a final chunk (a
+    /// second signal exits at once); under the 30 s Kubernetes waits before its SIGKILL.
+    #[arg(long, default_value = "25", value_parser = seconds)]
+    pub shutdown_grace: Duration,
+    /// Requests rendered and tokenised at once, on threads of their own (default: half the cores).
+    #[arg(long)]
+    pub tokenizer_threads: Option<usize>,
+}
+
+/// A number of seconds (fractions allowed) as a duration.
+fn seconds(s: &str) -> Result<Duration, String> {
+    let x: f64 = s.parse().map_err(|_| format!("'{s}' is not a number of seconds"))?;
+    Duration::try_from_secs_f64(x).map_err(|_| format!("'{s}' is not a number of seconds from 0 up"))
 }
 
 /// Start a runtime, listen at once, load the model in the background with `load(model, backend, ctx_size)`
-/// (/health answers 503 until it is ready), serve until SIGINT/SIGTERM and drain.
+/// (/health answers 503 until it is ready), serve until SIGINT/SIGTERM and shut down within the grace.
 pub fn main(
     args: Args,
     load: impl FnOnce(&str, &str, usize) -> Result<tern_engine::Model> + Send + 'static,
@@ -43,14 +77,26 @@ pub fn main(
         host: args.host,
         port: args.port,
         api_key: args.api_key,
+        metrics_public: args.metrics_public,
         ctx_size: args.ctx_size,
         max_concurrent: args.max_concurrent,
         max_queue: args.max_queue,
-        ..ServeOptions::default()
+        max_body_bytes: args.max_body_bytes,
+        max_connections: args.max_connections,
+        header_timeout: args.header_timeout,
+        body_timeout: args.body_timeout,
+        keep_alive_timeout: args.keep_alive_timeout,
+        shutdown_grace: args.shutdown_grace,
+        tokenizer_threads: args.tokenizer_threads.unwrap_or_else(crate::default_tokenizer_threads),
     };
+    opts.check()?;
     let (model, backend, ctx) = (args.model, args.backend, args.ctx_size);
-    tokio::runtime::Runtime::new()?.block_on(async move {
+    let rt = tokio::runtime::Runtime::new()?;
+    let served = rt.block_on(async move {
         let listener = crate::bind(&opts).await?;
         crate::run(listener, move || load(&model, &backend, ctx), opts, crate::shutdown_signal()).await
-    })
+    });
+    // Do not wait for blocking work still going (a model still loading, a prompt still tokenising).
+    rt.shutdown_background();
+    served
 }

@@ -1,4 +1,9 @@
 //! Running a job on the engine and writing its output as an OpenAI response: one JSON body, or SSE chunks.
+//!
+//! A response starts only once the engine has sent its first event: until then, a shutdown (the request is
+//! still queued or reading its prompt) or a stopped engine is an HTTP status. At shutdown, requests without a
+//! token yet are answered 503 at once; the others run on until the grace is over, and are then cut with a
+//! `finish_reason: "length"` chunk (and `[DONE]`), or a reply of the text so far.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -11,15 +16,21 @@ use futures_util::stream::{self, StreamExt};
 use serde_json::{json, Value};
 use tern_engine::{Event, FinishReason, TokenLogprob, Usage};
 use tern_text::{OutputParser, ParseEvent, Tokenizer, ToolCall};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
-use crate::api::{ApiError, Job};
-use crate::{unix_time, Ready, TokenCount};
+use crate::api::{self, ApiError, Job};
+use crate::reqlog::RequestInfo;
+use crate::{unix_time, Phase, Ready, Shared};
+
+const ENGINE_GONE: &str = "the engine stopped before the request finished";
 
 /// Submit `job` and answer with its output.
-pub(crate) async fn respond(r: &Ready, job: Job, count: Arc<TokenCount>) -> Result<Response, ApiError> {
+pub(crate) async fn respond(st: &Shared, r: &Ready, job: Job, info: Arc<RequestInfo>) -> Result<Response, ApiError> {
+    st.accepting()?;
     let want_logprobs = job.request.logprobs.is_some();
-    let events = forward(r.engine.submit(job.request)?)?;
+    let prompt_tokens = job.request.prompt.len();
+    let rx = r.engine.submit(job.request).map_err(|e| api::submit_error(e, &r.engine.config, &job.prompt_param))?;
+    let events = forward(rx)?;
     let chat = job.chat.is_some();
     let mut turn = Turn {
         id: new_id(if chat { "chatcmpl" } else { "cmpl" }),
@@ -32,29 +43,58 @@ pub(crate) async fn respond(r: &Ready, job: Job, count: Arc<TokenCount>) -> Resu
         logprobs: want_logprobs.then(Vec::new),
         calls: 0,
         include_usage: job.include_usage,
-        count,
+        prompt_tokens,
+        tokens: 0,
+        info,
     };
     if let (Some(p), Some(c)) = (&mut turn.parser, &job.chat) {
         p.feed(&c.prefix); // the forced opening of a tool call: yields nothing yet
     }
+    let phase = st.phase.clone();
     if job.stream {
-        Ok(stream(turn, events))
+        stream(turn, events, phase).await
     } else {
-        collect(turn, events).await
+        collect(turn, events, phase).await
     }
 }
 
+/// What a wait for the next engine event gave.
+enum Next {
+    Event(Option<Event>),
+    /// Shutdown: it has begun (a request with no token yet) or the grace is over (one generating).
+    Shutdown,
+}
+
+async fn next(events: &mut mpsc::Receiver<Event>, phase: &mut watch::Receiver<Phase>, started: bool) -> Next {
+    let stop = if started { Phase::Cut } else { Phase::Draining };
+    tokio::select! {
+        ev = events.recv() => Next::Event(ev),
+        _ = phase.wait_for(|p| *p >= stop) => Next::Shutdown,
+    }
+}
+
+/// The 503 of a request that had not started when shutdown began.
+fn not_started() -> ApiError {
+    ApiError::unavailable("shutting_down", "the server is shutting down; the request was not started", 1)
+}
+
 /// Forward the engine's events into a tokio channel from a thread of its own; when the channel's receiver is
-/// gone (the client went away), the thread ends and drops the engine's receiver, which cancels the request.
+/// gone (the client went away), the thread ends and drops the engine's receiver, which cancels the request. While
+/// no event comes (a request still queued or reading its prompt) the thread looks for a gone client every 50 ms,
+/// so a queued request whose client left leaves the queue at once instead of at its first token.
 fn forward(rx: tern_engine::Events) -> Result<mpsc::Receiver<Event>, ApiError> {
     let (tx, out) = mpsc::channel(64);
     std::thread::Builder::new()
         .name("tern-forward".into())
-        .spawn(move || {
-            for ev in rx {
-                if tx.blocking_send(ev).is_err() {
-                    break;
+        .spawn(move || loop {
+            match rx.recv_timeout(std::time::Duration::from_millis(50)) {
+                Ok(ev) => {
+                    if tx.blocking_send(ev).is_err() {
+                        break;
+                    }
                 }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !tx.is_closed() => {}
+                Err(_) => break,
             }
         })
         .map_err(|e| ApiError::internal(format!("cannot start a thread: {e}")))?;
@@ -89,7 +129,10 @@ struct Turn {
     logprobs: Option<Vec<TokenLogprob>>,
     calls: usize,
     include_usage: bool,
-    count: Arc<TokenCount>,
+    prompt_tokens: usize,
+    /// Tokens received so far.
+    tokens: usize,
+    info: Arc<RequestInfo>,
 }
 
 /// What an event ended with.
@@ -98,23 +141,32 @@ enum End {
     Error(String),
 }
 
+impl End {
+    /// The end of a request cut at shutdown: "length" (the reply is cut short), with the tokens counted so far.
+    fn cut(turn: &mut Turn) -> (Vec<Piece>, End) {
+        let usage = Usage { prompt_tokens: turn.prompt_tokens, completion_tokens: turn.tokens, cached_tokens: 0 };
+        turn.info.tokens(usage.prompt_tokens, usage.completion_tokens);
+        (turn.pieces("", true), End::Done(FinishReason::Length, usage))
+    }
+}
+
 impl Turn {
     /// The pieces an engine event completes, and the end if it is the last one.
     fn on_event(&mut self, ev: Option<Event>) -> (Vec<Piece>, Option<End>) {
         match ev {
             Some(Event::Token { text, logprob, .. }) => {
+                self.tokens += 1;
                 if let (Some(all), Some(lp)) = (&mut self.logprobs, logprob) {
                     all.push(lp);
                 }
                 (self.pieces(&text, false), None)
             }
             Some(Event::Done { finish, usage }) => {
-                self.count.prompt.store(usage.prompt_tokens, Ordering::Relaxed);
-                self.count.completion.store(usage.completion_tokens, Ordering::Relaxed);
+                self.info.tokens(usage.prompt_tokens, usage.completion_tokens);
                 (self.pieces("", true), Some(End::Done(finish, usage)))
             }
             Some(Event::Error(e)) => (vec![], Some(End::Error(e))),
-            None => (vec![], Some(End::Error("the engine stopped before the request finished".into()))),
+            None => (vec![], Some(End::Error(ENGINE_GONE.into()))),
         }
     }
 
@@ -224,6 +276,7 @@ impl Turn {
         let mut out = match end {
             End::Done(finish, usage) => {
                 let reason = self.finish_reason(finish);
+                self.info.end(reason);
                 let mut out = self.chunk(if self.chat { json!({}) } else { json!("") }, Some(reason));
                 if self.include_usage {
                     let object = if self.chat { "chat.completion.chunk" } else { "text_completion" };
@@ -232,7 +285,10 @@ impl Turn {
                 }
                 out
             }
-            End::Error(e) => sse(&ApiError::internal(e).json()),
+            End::Error(e) => {
+                self.info.end(format!("error in the stream: {}", api::clip(&e)));
+                sse(&ApiError::internal(e).json())
+            }
         };
         out.push_str("data: [DONE]\n\n");
         out
@@ -255,33 +311,71 @@ fn tool_call_text(c: &ToolCall) -> String {
     s + "</function>\n</tool_call>"
 }
 
-/// An SSE response; the body owns the event receiver, so a dropped connection cancels the request.
-fn stream(mut turn: Turn, events: mpsc::Receiver<Event>) -> Response {
+/// An SSE response, started once the first event is there; the body owns the event receiver, so a dropped
+/// connection cancels the request.
+async fn stream(
+    mut turn: Turn,
+    mut events: mpsc::Receiver<Event>,
+    mut phase: watch::Receiver<Phase>,
+) -> Result<Response, ApiError> {
+    let first = match next(&mut events, &mut phase, false).await {
+        Next::Shutdown => return Err(not_started()),
+        Next::Event(Some(Event::Error(e))) => return Err(ApiError::internal(e)),
+        Next::Event(None) => return Err(ApiError::internal(ENGINE_GONE)),
+        Next::Event(Some(ev)) => ev,
+    };
     let head = turn.chat.then(|| turn.chunk(json!({"role": "assistant", "content": ""}), None));
-    let rest = stream::unfold(Some((turn, events)), |state| async move {
-        let (mut turn, mut events) = state?;
+    let rest = stream::unfold(Some((turn, events, phase, Some(first))), |state| async move {
+        let (mut turn, mut events, mut phase, mut pending) = state?;
         loop {
-            let (pieces, end) = turn.on_event(events.recv().await);
+            let ev = match pending.take() {
+                Some(ev) => Next::Event(Some(ev)),
+                None => next(&mut events, &mut phase, true).await,
+            };
+            let cut = matches!(ev, Next::Shutdown);
+            let (pieces, end) = match ev {
+                Next::Event(ev) => turn.on_event(ev),
+                Next::Shutdown => {
+                    let (pieces, end) = End::cut(&mut turn);
+                    (pieces, Some(end))
+                }
+            };
             let mut out: String = pieces.into_iter().map(|p| turn.piece_chunk(p)).collect();
             if let Some(end) = end {
                 out += &turn.end_chunks(end);
+                if cut {
+                    turn.info.end("cut_at_shutdown");
+                }
                 return Some((out, None));
             }
             if !out.is_empty() {
-                return Some((out, Some((turn, events))));
+                return Some((out, Some((turn, events, phase, None))));
             }
         }
     });
     let body = stream::iter(head).chain(rest).map(Ok::<_, std::convert::Infallible>);
-    ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::from_stream(body))
-        .into_response()
+    Ok(([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], Body::from_stream(body))
+        .into_response())
 }
 
 /// A non-streaming response, awaited in the handler (dropped with it when the client goes away).
-async fn collect(mut turn: Turn, mut events: mpsc::Receiver<Event>) -> Result<Response, ApiError> {
+async fn collect(
+    mut turn: Turn,
+    mut events: mpsc::Receiver<Event>,
+    mut phase: watch::Receiver<Phase>,
+) -> Result<Response, ApiError> {
     let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
+    let mut cut = false;
     let (finish, usage) = loop {
-        let (pieces, end) = turn.on_event(events.recv().await);
+        let (pieces, end) = match next(&mut events, &mut phase, turn.tokens > 0).await {
+            Next::Shutdown if turn.tokens == 0 => return Err(not_started()),
+            Next::Shutdown => {
+                cut = true;
+                let (pieces, end) = End::cut(&mut turn);
+                (pieces, Some(end))
+            }
+            Next::Event(ev) => turn.on_event(ev),
+        };
         for p in pieces {
             match p {
                 Piece::Reasoning(s) => reasoning += &s,
@@ -295,6 +389,8 @@ async fn collect(mut turn: Turn, mut events: mpsc::Receiver<Event>) -> Result<Re
             None => {}
         }
     };
+    let reason = turn.finish_reason(finish);
+    turn.info.end(if cut { "cut_at_shutdown" } else { reason });
     let logprobs = turn.take_logprobs();
     let choice = if turn.chat {
         let reasoning = (!reasoning.is_empty()).then_some(reasoning);
@@ -306,9 +402,9 @@ async fn collect(mut turn: Turn, mut events: mpsc::Receiver<Event>) -> Result<Re
                 message["content"] = Value::Null;
             }
         }
-        json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": turn.finish_reason(finish)})
+        json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason})
     } else {
-        json!({"index": 0, "text": content, "logprobs": logprobs, "finish_reason": turn.finish_reason(finish)})
+        json!({"index": 0, "text": content, "logprobs": logprobs, "finish_reason": reason})
     };
     let object = if turn.chat { "chat.completion" } else { "text_completion" };
     Ok(Json(json!({"id": turn.id, "object": object, "created": turn.created, "model": turn.model,

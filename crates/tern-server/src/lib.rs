@@ -1,8 +1,16 @@
-//! tern's OpenAI-compatible HTTP server (axum + tokio) over the engine's scheduler.
+//! tern's OpenAI-compatible HTTP server (axum on hyper and tokio) over the engine's scheduler.
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{id}]`, `GET /health`
-//! (503 while the model loads), `GET /metrics` (Prometheus text), `POST /tokenize`, `POST /detokenize`.
-//! Every error is `{"error": {"message", "type", "param", "code"}}`; a panicking handler answers 500.
+//! (503 while the model loads, once the engine has stopped, and during shutdown), `GET /metrics` (Prometheus
+//! text; behind the API key unless `--metrics-public`), `POST /tokenize`, `POST /detokenize`. Every error is
+//! `{"error": {"message", "type", "param", "code"}}`; a panicking handler answers 500. POST bodies must be
+//! `application/json` (so that a web page cannot post to a local server with a CORS "simple" request).
+//!
+//! No request takes the server down: connections are capped and timed (`conn`), bodies are read within a
+//! deadline, request preparation runs on a bounded blocking pool (`prep`), every sampling field is bounded
+//! where it enters (`api`), and every request leaves a log line (`reqlog`). Shutdown has a deadline: on the
+//! first signal the server stops accepting, answers requests without a token yet 503, lets the others run for
+//! `--shutdown-grace`, then cuts them with a final chunk; a second signal exits at once.
 //!
 //! Each generation request gets a thread that forwards the engine's events into a tokio channel; the
 //! response (or SSE body) owns that channel's receiver, so a client that goes away drops it, the thread's
@@ -10,30 +18,34 @@
 
 mod api;
 pub mod cli;
+mod conn;
 mod generate;
+mod prep;
+mod reqlog;
 
-use std::future::{Future, IntoFuture};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use futures_util::StreamExt;
 use serde_json::{json, Value};
 use tern_engine::{Engine, EngineConfig, Model};
 use tern_text::{ChatTemplate, SamplingParams, Tokenizer};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tower_http::catch_panic::CatchPanicLayer;
 
 pub use api::ApiError;
+use reqlog::RequestInfo;
 
 /// How to serve.
 #[derive(Clone, Debug)]
@@ -41,14 +53,29 @@ pub struct ServeOptions {
     pub host: String,
     /// 0 picks a free port (see the "listening on" line, or use [`bind`] + [`run`]).
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` on every route but /health and /metrics.
+    /// Require `Authorization: Bearer KEY` on every route but /health (and /metrics with `metrics_public`).
+    /// An empty key is refused at start.
     pub api_key: Option<String>,
+    /// Serve /metrics without the API key.
+    pub metrics_public: bool,
     pub ctx_size: usize,
     pub max_concurrent: usize,
-    /// Requests waiting beyond the running ones before the server answers 503.
+    /// Requests waiting beyond the running ones before the server answers 503 (0: none wait).
     pub max_queue: usize,
     /// Larger request bodies get 413.
     pub max_body_bytes: usize,
+    /// Open connections; past this a new connection gets a 503 and is closed.
+    pub max_connections: usize,
+    /// A connection must send a complete request head within this (from when it opens or its last response).
+    pub header_timeout: Duration,
+    /// A request body must arrive whole within this (408 otherwise).
+    pub body_timeout: Duration,
+    /// A connection with no request in flight is closed after this.
+    pub keep_alive_timeout: Duration,
+    /// At shutdown, running requests may finish within this; then they are cut.
+    pub shutdown_grace: Duration,
+    /// Requests rendered and tokenised at once (on blocking threads).
+    pub tokenizer_threads: usize,
 }
 
 impl Default for ServeOptions {
@@ -57,15 +84,62 @@ impl Default for ServeOptions {
             host: "127.0.0.1".into(),
             port: 8080,
             api_key: None,
+            metrics_public: false,
             ctx_size: 32768,
             max_concurrent: 8,
             max_queue: 64,
             max_body_bytes: 8 << 20,
+            max_connections: 512,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
+            keep_alive_timeout: Duration::from_secs(5),
+            shutdown_grace: Duration::from_secs(25),
+            tokenizer_threads: default_tokenizer_threads(),
         }
     }
 }
 
-/// Serve a loaded model until SIGINT/SIGTERM, then stop accepting, drain in-flight requests and return.
+/// Half the cores (at least one): tokenising must not starve the scheduler thread of the CPU.
+pub fn default_tokenizer_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
+
+impl ServeOptions {
+    /// Refuse settings that cannot work (before anything listens).
+    pub fn check(&self) -> Result<()> {
+        if self.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+            bail!(
+                "--api-key (or TERN_API_KEY) is empty, which no client could send: give a key, or leave both \
+                 unset to serve without one"
+            );
+        }
+        let positive = [
+            ("--ctx-size", self.ctx_size),
+            ("--max-concurrent", self.max_concurrent),
+            ("--max-body-bytes", self.max_body_bytes),
+            ("--max-connections", self.max_connections),
+            ("--tokenizer-threads", self.tokenizer_threads),
+        ];
+        for (flag, v) in positive {
+            if v == 0 {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        let timeouts = [
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
+            ("--keep-alive-timeout", self.keep_alive_timeout),
+        ];
+        for (flag, v) in timeouts {
+            if v.is_zero() {
+                bail!("{flag} must be more than 0 seconds");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serve a loaded model until SIGINT/SIGTERM, then shut down within the grace (see [`run`]).
 pub async fn serve(model: Model, opts: ServeOptions) -> Result<()> {
     let listener = bind(&opts).await?;
     run(listener, move || Ok(model), opts, shutdown_signal()).await
@@ -77,16 +151,49 @@ pub async fn bind(opts: &ServeOptions) -> Result<TcpListener> {
         .with_context(|| format!("cannot listen on {}:{}", opts.host, opts.port))
 }
 
+/// Where shutdown stands; ordered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Phase {
+    Serving,
+    /// No new connections or requests; requests without a token yet get 503; the others run on.
+    Draining,
+    /// The grace is over: running requests are cut.
+    Cut,
+}
+
 /// Serve on `listener`: answer at once (/health says 503) while `load` runs on a blocking thread, then serve the
-/// model until `shutdown` resolves; in-flight requests are drained before this returns. A failed load is
+/// model until `shutdown` resolves. Then stop accepting, answer requests that have no token yet 503, give the
+/// others `shutdown_grace` to finish, cut those still running (a last chunk with `finish_reason: "length"` and
+/// `[DONE]`), and return once every connection has closed (or a few seconds after the cut). A failed load is
 /// returned as the error.
-pub async fn run<L, S>(listener: TcpListener, load: L, opts: ServeOptions, shutdown: S) -> Result<()>
+pub async fn run<L, S>(listener: TcpListener, load: L, mut opts: ServeOptions, shutdown: S) -> Result<()>
 where
     L: FnOnce() -> Result<Model> + Send + 'static,
     S: Future<Output = ()> + Send + 'static,
 {
-    let state = Arc::new(AppState { opts, ready: OnceLock::new(), created: unix_time() });
-    eprintln!("tern: listening on http://{}", listener.local_addr()?);
+    opts.check()?;
+    opts.max_connections = conn::fit_fd_limit(opts.max_connections);
+    let (phase_tx, phase) = watch::channel(Phase::Serving);
+    let state = Arc::new(AppState {
+        conns: conn::Conns::new(opts.max_connections),
+        prep: prep::Pool::new(opts.tokenizer_threads),
+        opts,
+        ready: OnceLock::new(),
+        created: unix_time(),
+        phase,
+    });
+    let o = &state.opts;
+    eprintln!(
+        "tern: listening on http://{} (--max-connections {}, --header-timeout {:?}, --body-timeout {:?}, \
+         --keep-alive-timeout {:?}, --shutdown-grace {:?}, --tokenizer-threads {})",
+        listener.local_addr()?,
+        o.max_connections,
+        o.header_timeout,
+        o.body_timeout,
+        o.keep_alive_timeout,
+        o.shutdown_grace,
+        o.tokenizer_threads
+    );
     let loader = {
         let state = state.clone();
         tokio::task::spawn_blocking(move || -> Result<()> {
@@ -97,40 +204,67 @@ where
             Ok(())
         })
     };
-    let server = axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).into_future();
-    tokio::pin!(server);
+    let accept = tokio::spawn(conn::accept(listener, router(state.clone()), state.clone()));
+    tokio::pin!(shutdown);
     tokio::select! {
-        r = &mut server => r?,
+        _ = &mut shutdown => {}
         r = loader => {
             r.context("the model loader panicked")?.context("loading the model")?;
-            server.await?;
+            shutdown.await;
         }
+    }
+    let grace = state.opts.shutdown_grace;
+    eprintln!(
+        "tern: shutting down: not accepting; requests without a token yet get 503, running ones have {grace:?} \
+         (--shutdown-grace); a second signal exits at once"
+    );
+    let _ = phase_tx.send(Phase::Draining);
+    let _ = accept.await;
+    if tokio::time::timeout(grace, state.conns.all_closed()).await.is_err() {
+        let open = state.conns.open.load(Ordering::SeqCst);
+        eprintln!("tern: shutdown grace over: cutting what is still running ({open} connections open)");
+        let _ = phase_tx.send(Phase::Cut);
+        let _ = tokio::time::timeout(Duration::from_secs(5), state.conns.all_closed()).await;
     }
     eprintln!("tern: stopped");
     Ok(())
 }
 
-/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+/// Resolves on the first SIGINT (Ctrl-C) or SIGTERM; a second one exits the process at once.
 pub async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
+    use tokio::signal::unix::{signal, Signal, SignalKind};
+    async fn recv(s: &mut Option<Signal>) {
+        match s {
+            Some(s) => {
                 s.recv().await;
             }
-            Err(_) => std::future::pending().await,
+            None => std::future::pending().await,
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
     }
-    eprintln!("tern: shutting down: draining in-flight requests");
+    async fn either(term: &mut Option<Signal>, int: &mut Option<Signal>) -> &'static str {
+        tokio::select! {
+            _ = recv(term) => "SIGTERM",
+            _ = recv(int) => "SIGINT",
+        }
+    }
+    let mut term = signal(SignalKind::terminate()).ok();
+    let mut int = signal(SignalKind::interrupt()).ok();
+    let first = either(&mut term, &mut int).await;
+    eprintln!("tern: {first}");
+    tokio::spawn(async move {
+        let second = either(&mut term, &mut int).await;
+        eprintln!("tern: {second} again: exiting now");
+        std::process::exit(if second == "SIGINT" { 130 } else { 143 });
+    });
 }
 
 struct AppState {
     opts: ServeOptions,
     ready: OnceLock<Ready>,
     created: u64,
+    phase: watch::Receiver<Phase>,
+    conns: conn::Conns,
+    prep: prep::Pool,
 }
 
 type Shared = Arc<AppState>;
@@ -165,23 +299,28 @@ impl Ready {
 }
 
 impl AppState {
+    /// The model and a running engine, or why not (503).
     fn ready(&self) -> Result<&Ready, ApiError> {
-        self.ready.get().ok_or_else(|| {
-            ApiError::new(
+        let ready =
+            self.ready.get().ok_or_else(|| ApiError::unavailable("model_loading", "the model is still loading", 5))?;
+        if !ready.engine.is_running() {
+            return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
-                "model_loading",
-                "the model is still loading",
-            )
-        })
+                "engine_stopped",
+                "the engine has stopped; this server must be restarted (see its log)",
+            ));
+        }
+        Ok(ready)
     }
-}
 
-/// Tokens of one request, filled in by the handler, printed by the request log line.
-#[derive(Default)]
-struct TokenCount {
-    prompt: AtomicUsize,
-    completion: AtomicUsize,
+    /// 503 once shutdown has begun.
+    fn accepting(&self) -> Result<(), ApiError> {
+        match *self.phase.borrow() {
+            Phase::Serving => Ok(()),
+            _ => Err(ApiError::unavailable("shutting_down", "the server is shutting down", 1)),
+        }
+    }
 }
 
 fn router(state: Shared) -> Router {
@@ -193,7 +332,6 @@ fn router(state: Shared) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .route_layer(middleware::from_fn_with_state(state.clone(), auth))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async {
@@ -208,47 +346,28 @@ fn router(state: Shared) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), read_body))
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
         .layer(CatchPanicLayer::custom(|_| {
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "internal server error")
                 .into_response()
         }))
-        .layer(middleware::from_fn(log))
         .with_state(state)
 }
 
-/// One stderr line per request when its response body is finished (or dropped): method, path, status, tokens, ms.
-async fn log(mut req: Request, next: Next) -> Response {
-    struct Line {
-        what: String,
-        status: StatusCode,
-        count: Arc<TokenCount>,
-        t0: Instant,
-    }
-    impl Drop for Line {
-        fn drop(&mut self) {
-            let (p, c) = (self.count.prompt.load(Ordering::Relaxed), self.count.completion.load(Ordering::Relaxed));
-            let ms = self.t0.elapsed().as_secs_f64() * 1e3;
-            eprintln!("{} {} prompt={p} completion={c} {ms:.0}ms", self.what, self.status.as_u16());
-        }
-    }
-    let count = Arc::new(TokenCount::default());
-    req.extensions_mut().insert(count.clone());
-    let what = format!("{} {}", req.method(), req.uri().path());
-    let t0 = Instant::now();
-    let res = next.run(req).await;
-    let line = Line { what, status: res.status(), count, t0 };
-    let (parts, body) = res.into_parts();
-    let body = Body::from_stream(body.into_data_stream().map(move |chunk| {
-        let _ = &line;
-        chunk
-    }));
-    Response::from_parts(parts, body)
-}
-
+/// Every route needs the key when one is set, but /health (and /metrics with `--metrics-public`).
 async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
-    if let Some(key) = &st.opts.api_key {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-        if given.and_then(|v| v.strip_prefix("Bearer ")) != Some(key.as_str()) {
+    let public = match req.uri().path() {
+        "/health" => true,
+        "/metrics" => st.opts.metrics_public,
+        _ => false,
+    };
+    if let (Some(key), false) = (&st.opts.api_key, public) {
+        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+            let (scheme, token) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        });
+        if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
             let msg = "invalid or missing API key (Authorization: Bearer ...)";
             return ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "invalid_api_key", msg)
                 .into_response();
@@ -257,26 +376,99 @@ async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
+/// Key comparison whose time does not depend on where the keys differ.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Read the whole request body within `--body-timeout` (408) and `--max-body-bytes` (413); POST bodies must be
+/// JSON (415).
+async fn read_body(State(st): State<Shared>, req: Request, next: Next) -> Response {
+    if req.method() == Method::POST {
+        let ct = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok());
+        let mime = ct.unwrap_or("").split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        if mime != "application/json" && !(mime.starts_with("application/") && mime.ends_with("+json")) {
+            let got = ct.map_or("none".to_owned(), |c| format!("'{}'", api::clip(c)));
+            return ApiError {
+                close: true,
+                ..ApiError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "invalid_request_error",
+                    "unsupported_media_type",
+                    format!("the request body must be JSON with Content-Type: application/json (got {got})"),
+                )
+            }
+            .into_response();
+        }
+    }
+    let (parts, body) = req.into_parts();
+    let (limit, deadline) = (st.opts.max_body_bytes, st.opts.body_timeout);
+    let bytes = match tokio::time::timeout(deadline, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => bytes,
+        Err(_) => {
+            let msg = format!("the request body did not arrive within {deadline:?} (--body-timeout)");
+            let e = ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", "request_timeout", msg);
+            return ApiError { close: true, ..e }.into_response();
+        }
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+                || e.to_string().contains("length limit");
+            let e = if too_large {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "invalid_request_error",
+                    "payload_too_large",
+                    format!("the request body is larger than {limit} bytes (--max-body-bytes)"),
+                )
+            } else {
+                let msg = format!("cannot read the request body: {e}");
+                ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_body", msg)
+            };
+            return ApiError { close: true, ..e }.into_response();
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes))).await
+}
+
 type RawBody = Result<Bytes, BytesRejection>;
 
-async fn chat(State(st): State<Shared>, Extension(count): Extension<Arc<TokenCount>>, body: RawBody) -> Response {
-    let r = async {
-        let ready = st.ready()?;
-        let job = api::chat_job(ready, &api::Body::parse(body)?)?;
-        generate::respond(ready, job, count).await
-    };
-    r.await.unwrap_or_else(IntoResponse::into_response)
+fn body_bytes(raw: RawBody) -> Result<Bytes, ApiError> {
+    raw.map_err(|rej| {
+        ApiError::new(rej.status(), "invalid_request_error", "invalid_body", format!("cannot read the body: {rej}"))
+    })
+}
+
+async fn chat(State(st): State<Shared>, Extension(info): Extension<Arc<RequestInfo>>, body: RawBody) -> Response {
+    generation(st, info, body, true).await
 }
 
 async fn completions(
     State(st): State<Shared>,
-    Extension(count): Extension<Arc<TokenCount>>,
+    Extension(info): Extension<Arc<RequestInfo>>,
     body: RawBody,
 ) -> Response {
+    generation(st, info, body, false).await
+}
+
+/// Validate, render and tokenise on the pool, then generate.
+async fn generation(st: Shared, info: Arc<RequestInfo>, body: RawBody, chat: bool) -> Response {
     let r = async {
+        st.accepting()?;
+        st.ready()?;
+        let body = body_bytes(body)?;
+        let job = st
+            .prep
+            .run(&st, body.len(), move |ready| {
+                let b = api::Body::parse(&body)?;
+                if chat {
+                    api::chat_job(ready, &b)
+                } else {
+                    api::completion_job(ready, &b)
+                }
+            })
+            .await?;
         let ready = st.ready()?;
-        let job = api::completion_job(ready, &api::Body::parse(body)?)?;
-        generate::respond(ready, job, count).await
+        generate::respond(&st, ready, job, info).await
     };
     r.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -290,28 +482,35 @@ async fn models(State(st): State<Shared>) -> Result<Json<Value>, ApiError> {
     Ok(Json(json!({"object": "list", "data": [model_card(&st, &ready.name)]})))
 }
 
-async fn model(State(st): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn model(State(st): State<Shared>, id: Result<Path<String>, PathRejection>) -> Result<Json<Value>, ApiError> {
+    let Path(id) = id.map_err(|rej| ApiError {
+        status: rej.status(),
+        ..ApiError::invalid("model", format!("invalid model id in the path: {rej}"))
+    })?;
     let ready = st.ready()?;
     api::check_model(ready, Some(&id))?;
     Ok(Json(model_card(&st, &ready.name)))
 }
 
 async fn health(State(st): State<Shared>) -> Response {
-    match st.ready.get() {
-        Some(_) => Json(json!({"status": "ok"})).into_response(),
-        None => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "loading"}))).into_response(),
-    }
+    let status = match st.ready.get() {
+        None => "loading",
+        Some(r) if !r.engine.is_running() => "engine_stopped",
+        Some(_) if *st.phase.borrow() != Phase::Serving => "shutting_down",
+        Some(_) => return Json(json!({"status": "ok"})).into_response(),
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": status}))).into_response()
 }
 
 async fn tokenize(State(st): State<Shared>, body: RawBody) -> Result<Json<Value>, ApiError> {
-    let ready = st.ready()?;
-    let tokens = api::tokenize(ready, &api::Body::parse(body)?)?;
+    let body = body_bytes(body)?;
+    let tokens = st.prep.run(&st, body.len(), move |ready| api::tokenize(ready, &api::Body::parse(&body)?)).await?;
     Ok(Json(json!({"count": tokens.len(), "max_model_len": st.opts.ctx_size, "tokens": tokens})))
 }
 
 async fn detokenize(State(st): State<Shared>, body: RawBody) -> Result<Json<Value>, ApiError> {
-    let ready = st.ready()?;
-    let text = api::detokenize(ready, &api::Body::parse(body)?)?;
+    let body = body_bytes(body)?;
+    let text = st.prep.run(&st, body.len(), move |ready| api::detokenize(ready, &api::Body::parse(&body)?)).await?;
     Ok(Json(json!({"prompt": text})))
 }
 
@@ -320,7 +519,26 @@ async fn metrics(State(st): State<Shared>) -> Response {
     let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
         out.push_str(&format!("# HELP tern_{name} {help}\n# TYPE tern_{name} {kind}\ntern_{name} {value}\n"));
     };
-    metric("ready", "gauge", "1 once the model is loaded", st.ready.get().is_some() as u8 as f64);
+    let running = st.ready.get().is_some_and(|r| r.engine.is_running());
+    metric("ready", "gauge", "1 once the model is loaded and while the engine runs", running as u8 as f64);
+    metric("engine_running", "gauge", "0 once the engine's scheduler has stopped (restart the server)", {
+        st.ready.get().is_none_or(|r| r.engine.is_running()) as u8 as f64
+    });
+    metric("shutting_down", "gauge", "1 once shutdown has begun", (*st.phase.borrow() != Phase::Serving) as u8 as f64);
+    let c = &st.conns;
+    metric("connections_open", "gauge", "open HTTP connections", c.open.load(Ordering::Relaxed) as f64);
+    metric(
+        "connections_refused_total",
+        "counter",
+        "connections refused over --max-connections",
+        c.refused.load(Ordering::Relaxed) as f64,
+    );
+    metric(
+        "connections_header_timeout_total",
+        "counter",
+        "connections closed by --header-timeout",
+        c.header_timeouts.load(Ordering::Relaxed) as f64,
+    );
     if let Some(ready) = st.ready.get() {
         let s = &ready.engine.stats;
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;

@@ -121,12 +121,20 @@ impl<'t> Detokenizer<'t> {
         Step { text, finish: Some(finish) }
     }
 
-    /// Length of the longest suffix of `held` that is a proper prefix of some stop string.
+    /// Length of the longest suffix of `held` that is a proper prefix of some stop string (prefixes longer than
+    /// `held` cannot be its suffix: not tried, so the usual few held bytes cost a few compares per stop string).
     fn stop_prefix_len(&self) -> usize {
+        let held = self.held.as_str();
         self.config
             .stop_strings
             .iter()
-            .flat_map(|stop| stop.char_indices().map(|(i, _)| i).skip(1).filter(|&i| self.held.ends_with(&stop[..i])))
+            .flat_map(|stop| {
+                stop.char_indices()
+                    .map(|(i, _)| i)
+                    .skip(1)
+                    .take_while(|&i| i <= held.len())
+                    .filter(|&i| held.ends_with(&stop[..i]))
+            })
             .max()
             .unwrap_or(0)
     }

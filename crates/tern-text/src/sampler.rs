@@ -111,17 +111,12 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return argmax(logits);
         }
-        // Candidates sorted by logit, descending (ties: lower id first), -inf excluded; with a top-k cut, one pass
-        // that keeps only the k best (a full vocabulary is 248k logits: collecting and partitioning them all
-        // took ~1 ms a token).
-        let cands = if p.top_k > 0 {
-            top_k_desc(logits, p.top_k)
-        } else {
-            let mut all: Vec<(u32, f32)> =
-                (0u32..).zip(logits.iter().copied()).filter(|(_, l)| *l > f32::NEG_INFINITY).collect();
-            all.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            all
-        };
+        // Candidates sorted by logit, descending (ties: lower id first), -inf excluded; with a top-k cut, only the k
+        // best (a full vocabulary is 248k logits: collecting and partitioning them all took ~1 ms a token). A top_k
+        // at or past the vocabulary size is no cut (a client's "no limit"): never more work or memory than the
+        // vocabulary needs, whatever the number.
+        let cands =
+            if p.top_k > 0 && p.top_k < logits.len() { top_k_desc(logits, p.top_k) } else { sorted_desc(logits) };
         if cands.is_empty() {
             return argmax(logits);
         }
@@ -179,11 +174,43 @@ impl Sampler {
     }
 }
 
-/// The `k` largest finite-or-+inf logits (NaN must already be -inf) with their ids, sorted by logit descending,
-/// ties by ascending id: the first `k` of the full sort, found in one pass. Ids arrive in ascending order, so a
-/// newcomer equal to the current k-th loses the tie and is skipped.
+/// Past this `k`, [`top_k_desc`] selects instead of inserting: an insertion costs O(k), and near the vocabulary
+/// size nearly every logit is inserted (quadratic: seconds a token at 248k).
+const INSERTION_MAX_K: usize = 128;
+
+/// The order candidates are drawn in: logit descending, ties by ascending id.
+fn desc(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// Every logit above -inf with its id, in [`desc`] order.
+fn sorted_desc(logits: &[f32]) -> Vec<(u32, f32)> {
+    let mut all: Vec<(u32, f32)> =
+        (0u32..).zip(logits.iter().copied()).filter(|(_, l)| *l > f32::NEG_INFINITY).collect();
+    all.sort_unstable_by(desc);
+    all
+}
+
+/// The `k` largest finite-or-+inf logits (NaN must already be -inf) with their ids, in [`desc`] order: the first
+/// `k` of [`sorted_desc`]. Memory and time are bounded by the number of logits whatever `k` is: a small `k` in one
+/// pass that keeps the k best (ids arrive in ascending order, so a newcomer equal to the current k-th loses the tie
+/// and is skipped), a large one by selection and a sort of the k selected.
 fn top_k_desc(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     use std::cmp::Ordering;
+    let k = k.min(logits.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    if k > INSERTION_MAX_K {
+        let mut all: Vec<(u32, f32)> =
+            (0u32..).zip(logits.iter().copied()).filter(|(_, l)| *l > f32::NEG_INFINITY).collect();
+        if all.len() > k {
+            all.select_nth_unstable_by(k - 1, desc);
+            all.truncate(k);
+        }
+        all.sort_unstable_by(desc);
+        return all;
+    }
     let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
     let mut floor = f32::NEG_INFINITY; // admits nothing that is not above the k-th best (-inf: never)
     for (i, &l) in logits.iter().enumerate() {
@@ -280,7 +307,7 @@ mod tests {
             let mut all: Vec<(u32, f32)> =
                 (0u32..).zip(logits.iter().copied()).filter(|(_, l)| *l > f32::NEG_INFINITY).collect();
             all.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            for k in [1, 2, 5, 20, 64, n, n + 3] {
+            for k in [1, 2, 5, 20, 64, INSERTION_MAX_K, INSERTION_MAX_K + 1, 500, n, n + 3, usize::MAX] {
                 let want: Vec<(u32, u32)> = all.iter().take(k).map(|(i, l)| (*i, l.to_bits())).collect();
                 let got: Vec<(u32, u32)> = top_k_desc(&logits, k).iter().map(|(i, l)| (*i, l.to_bits())).collect();
                 assert_eq!(got, want, "trial {trial} n {n} k {k}");

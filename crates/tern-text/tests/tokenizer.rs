@@ -66,3 +66,33 @@ fn special_tokens_have_expected_ids() {
     assert!(tok.token_bytes(u32::MAX).is_none());
     assert!(tok.decode(&[u32::MAX]).is_err());
 }
+
+/// `min_tokens` never exceeds the real count (it is what lets the server refuse an over-long prompt before
+/// encoding it), on the texts where the bound is tightest: runs of the longest token (spaces), decomposed text
+/// that NFC composes (Hangul jamo 3x, Latin and Greek with several marks), special tokens, mixed scripts.
+#[test]
+fn min_tokens_is_a_lower_bound() {
+    let Some(tok) = load("min_tokens_is_a_lower_bound") else {
+        return;
+    };
+    assert_eq!(tok.max_token_bytes(), 128);
+    let jamo = "\u{1100}\u{1161}\u{11A8}"; // 각 decomposed: 9 bytes, one character after NFC
+    let texts = [
+        " ".repeat(128 * 40),
+        " ".repeat(128 * 40 + 127),
+        jamo.repeat(3000),
+        "a\u{0308}\u{0304}".repeat(2000),                // ǟ
+        "\u{03B1}\u{0313}\u{0301}\u{0345}".repeat(2000), // ᾄ
+        "s\u{0323}\u{0307}".repeat(2000),                // ṩ
+        "<|im_start|>".repeat(500),
+        "Grüße 你好 안녕하세요 🦙 ".repeat(300),
+        "x".repeat(20_000),
+    ];
+    for text in &texts {
+        let n = tok.encode(text, false).unwrap().len();
+        let bound = tok.min_tokens(text);
+        assert!(bound <= n, "bound {bound} > {n} tokens for {:?}...", text.chars().take(8).collect::<String>());
+    }
+    // It is not vacuous: past 4 MiB, ASCII cannot fit a 32k context.
+    assert_eq!(tok.min_tokens(&"x".repeat((4 << 20) + 128)), 32_769);
+}

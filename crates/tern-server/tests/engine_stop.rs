@@ -1,0 +1,90 @@
+//! Honest health: after a backend panics while stepping a request, either that request failed alone (an
+//! OpenAI-shaped 500) and the server goes on serving with /health 200, or the engine has stopped and the server
+//! says so: /health 503 `engine_stopped`, /metrics `tern_engine_running 0`, new requests 503 (not 500s behind a
+//! /health that says ok, as when a huge top_k panicked the scheduler thread).
+
+mod common;
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use tern_engine::{AllocError, Backend, Model, Output, ScriptedBackend, SeqId, Work};
+use tern_server::ServeOptions;
+
+/// Reading this token id panics the backend.
+const POISON: u32 = 1234;
+
+/// A scripted backend (always answers token 11) whose step panics on the poison token.
+struct Poisoned(ScriptedBackend);
+
+impl Backend for Poisoned {
+    fn name(&self) -> &str {
+        "poisoned"
+    }
+    fn vocab_size(&self) -> usize {
+        self.0.vocab_size()
+    }
+    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
+        self.0.alloc(tokens)
+    }
+    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
+        self.0.fork(seq, tokens)
+    }
+    fn free(&self, seq: SeqId) {
+        self.0.free(seq)
+    }
+    fn len(&self, seq: SeqId) -> Option<usize> {
+        self.0.len(seq)
+    }
+    fn state_bytes(&self, seq: SeqId) -> usize {
+        self.0.state_bytes(seq)
+    }
+    fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
+        assert!(!work.iter().any(|w| w.ids.contains(&POISON)), "a backend failure on the poison token");
+        self.0.step(work)
+    }
+}
+
+fn error_code(body: &str) -> String {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
+    let e = &v["error"];
+    assert!(e["message"].is_string() && e.get("type").is_some() && e.get("param").is_some(), "shape: {body}");
+    e["code"].as_str().unwrap_or_default().to_owned()
+}
+
+#[test]
+fn health_is_honest_after_a_backend_panic() {
+    let Some(qwen) = common::setup("health_is_honest_after_a_backend_panic") else { return };
+    let server = common::Server::start(
+        move || Model::with_backend(&qwen, Arc::new(Poisoned(ScriptedBackend::new(248320, vec![11])))),
+        ServeOptions::default(),
+    );
+    let t0 = std::time::Instant::now();
+    while common::http(&server.root, "GET", "/health", None).0 != 200 {
+        assert!(t0.elapsed().as_secs() < 60, "never ready");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let ok = r#"{"prompt": [5, 6], "max_tokens": 2, "temperature": 0}"#;
+    assert_eq!(common::http(&server.root, "POST", "/v1/completions", Some(ok)).0, 200);
+
+    let poison = format!(r#"{{"prompt": [5, {POISON}], "max_tokens": 2}}"#);
+    let (status, body) = common::http(&server.root, "POST", "/v1/completions", Some(&poison));
+    assert!(status >= 500, "the poisoned request: {status} {body}");
+    error_code(&body);
+
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (health, hbody) = common::http(&server.root, "GET", "/health", None);
+    let (next, nbody) = common::http(&server.root, "POST", "/v1/completions", Some(ok));
+    let (_, metrics) = common::http(&server.root, "GET", "/metrics", None);
+    println!("after the panic: /health {health} {hbody}; next request {next}");
+    if health == 200 {
+        assert_eq!(next, 200, "/health says ok but a request fails: {nbody}");
+        assert!(metrics.contains("tern_engine_running 1"), "{metrics}");
+    } else {
+        assert_eq!(health, 503, "{hbody}");
+        assert!(hbody.contains("engine_stopped"), "{hbody}");
+        assert_eq!((next, error_code(&nbody).as_str()), (503, "engine_stopped"), "{nbody}");
+        assert!(metrics.contains("tern_engine_running 0") && metrics.contains("tern_ready 0"), "{metrics}");
+    }
+    server.stop();
+}
