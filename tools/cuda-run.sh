@@ -4,6 +4,7 @@
 #                                        filter: a substring of bin::name (prefill::, kernels::gdn, ...)
 #   tools/cuda-run.sh ignored [filter]   the slow full-shape tests
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
+#   tools/cuda-run.sh serve [serve args] tern serve --backend cuda on a full-shape random checkpoint, serve_probe.py
 set -u
 OUT=${OUT:-/tmp/tern-out}
 mkdir -p "$OUT"
@@ -37,6 +38,17 @@ bench)
   ctx=${1:-256,4096,32768}
   shift || true
   ./.carry/tern bench --backend cuda --random-weights --config .carry/qwen --ctx "$ctx" "$@" 2>&1 | tee "$OUT/bench.txt"
+  ;;
+serve)
+  # a full-shape random 4-bit checkpoint with the real tokenizer, served on CUDA and driven by serve_probe.py
+  dir=/tmp/tern-rq4
+  [ -f .carry/qwen/tokenizer.json ] || gunzip -k .carry/qwen/tokenizer.json.gz
+  [ -f $dir/config.json ] || ./.carry/tern random-model --config .carry/qwen --out $dir --quant q4 --tokenizer-from .carry/qwen 2>&1 | tail -2
+  ./.carry/tern serve --model $dir --backend cuda --port 8080 "$@" >"$OUT/serve.log" 2>&1 &
+  pid=$!
+  timeout 500 python3 .carry/serve_probe.py --port 8080 ${PROBE_ARGS:-} --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt"
+  kill -INT $pid; sleep 2; kill -9 $pid 2>/dev/null
+  grep -E "tern:|error|panic" "$OUT/serve.log" | tail -8
   ;;
 *)
   echo "unknown: $what" >&2

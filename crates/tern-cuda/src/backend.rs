@@ -166,6 +166,12 @@ impl Backend for CudaSlots {
         self.slots.lock().get(seq).map_or(0, |s| s.bytes)
     }
 
+    /// The prefill chunk: a prompt of up to that many tokens is read in one pass (a 4k prompt in ~0.2 s on an H200),
+    /// and running streams wait at most one such pass between two tokens.
+    fn step_tokens(&self) -> usize {
+        self.cuda.model.prefill.lock().map_or(crate::model::DEFAULT_PREFILL_CHUNK, |p| p.chunk)
+    }
+
     fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
         let vocab = self.vocab_size();
         let taken = self.slots.lock().take(work);

@@ -176,6 +176,12 @@ pub trait Backend: Send + Sync {
     fn state_bytes(&self, seq: SeqId) -> usize;
     /// Run one step: one result per item, in order (see the module documentation).
     fn step(&self, work: &[Work]) -> Vec<Result<Output>>;
+    /// Tokens one step should read when the engine is not told otherwise ([`crate::EngineConfig::step_tokens`]
+    /// 0): the trade between a long prompt's time to first token (fewer, larger steps) and how long running
+    /// streams wait between two of their tokens (one step). 512 unless a backend knows better.
+    fn step_tokens(&self) -> usize {
+        512
+    }
 }
 
 /// Read `ids` into `seq` as a step of its own and return its logits: every row (`all`) or the last.

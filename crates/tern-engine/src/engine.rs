@@ -56,8 +56,9 @@ pub struct EngineConfig {
     pub max_concurrent: usize,
     /// Requests waiting beyond the running ones before `submit` answers `QueueFull`.
     pub max_queue: usize,
-    /// Tokens one backend step reads, all sequences together: running decodes first, then prompt chunks; 512 (the
-    /// most prompt tokens a running stream waits for between two of its tokens).
+    /// Tokens one backend step reads, all sequences together: running decodes first, then prompt chunks (the most
+    /// prompt tokens a running stream waits for between two of its tokens); 0 (the default): the backend's own
+    /// [`Backend::step_tokens`] (512 on the CPU, the prefill chunk on CUDA).
     pub step_tokens: usize,
     /// Bytes of backend state the prefix cache may keep (0: no cache); 4 GiB (≈ 40 snapshots of the full model
     /// at 1k tokens on the CPU, ≈ 18 on the interim CUDA backend at an 8k context).
@@ -66,13 +67,7 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig {
-            ctx_size: 32768,
-            max_concurrent: 64,
-            max_queue: 64,
-            step_tokens: 512,
-            prefix_cache_bytes: 4 << 30,
-        }
+        EngineConfig { ctx_size: 32768, max_concurrent: 64, max_queue: 64, step_tokens: 0, prefix_cache_bytes: 4 << 30 }
     }
 }
 
@@ -465,7 +460,10 @@ impl<'a> Scheduler<'a> {
     }
 
     fn budget(&self) -> usize {
-        self.cfg.step_tokens.max(1)
+        match self.cfg.step_tokens {
+            0 => self.backend.step_tokens().max(1),
+            n => n,
+        }
     }
 
     fn publish(&self) {

@@ -37,6 +37,11 @@ pub struct Args {
     /// Requests waiting beyond the running ones before the server answers 503 (0: none wait).
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
+    /// Tokens one engine step reads, all sequences together (running decodes first, then prompt chunks): larger
+    /// means a faster first token for long prompts, smaller means shorter pauses for running streams. 0: the
+    /// backend's choice (512 on the CPU, the prefill chunk of 4,096 on CUDA).
+    #[arg(long, default_value_t = 0)]
+    pub step_tokens: usize,
     /// Larger request bodies get 413.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
@@ -81,6 +86,7 @@ pub fn main(
         ctx_size: args.ctx_size,
         max_concurrent: args.max_concurrent,
         max_queue: args.max_queue,
+        step_tokens: args.step_tokens,
         max_body_bytes: args.max_body_bytes,
         max_connections: args.max_connections,
         header_timeout: args.header_timeout,

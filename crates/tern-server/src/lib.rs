@@ -62,6 +62,8 @@ pub struct ServeOptions {
     pub max_concurrent: usize,
     /// Requests waiting beyond the running ones before the server answers 503 (0: none wait).
     pub max_queue: usize,
+    /// Tokens one engine step reads (0: the backend's choice; see `EngineConfig::step_tokens`).
+    pub step_tokens: usize,
     /// Larger request bodies get 413.
     pub max_body_bytes: usize,
     /// Open connections; past this a new connection gets a 503 and is closed.
@@ -88,6 +90,7 @@ impl Default for ServeOptions {
             ctx_size: 32768,
             max_concurrent: 8,
             max_queue: 64,
+            step_tokens: 0,
             max_body_bytes: 8 << 20,
             max_connections: 512,
             header_timeout: Duration::from_secs(10),
@@ -285,6 +288,7 @@ impl Ready {
             ctx_size: opts.ctx_size,
             max_concurrent: opts.max_concurrent,
             max_queue: opts.max_queue,
+            step_tokens: opts.step_tokens,
             ..EngineConfig::default()
         };
         Ready {
