@@ -1,7 +1,9 @@
 //! The CUDA backend of tern (NVIDIA Hopper, sm_90a): device weights (4-bit stays packed), one kernel family per
 //! decode op (`crates/tern-kernels/cuda/*.cu`), and a decode step captured once in a CUDA graph and replayed:
 //! the step reads the token id and the position from device memory and writes the next (greedy) id and
-//! position back, so the same graph replays every step.
+//! position back, so the same graph replays every step. Prompt chunks go through the multi-token kernels instead
+//! (tensor-core GEMMs, grouped MoE, chunked Gated DeltaNet, flash attention: `prefill`), which leave the state
+//! as the decode steps would. `backend` puts it behind the engine's seam.
 
 pub mod backend;
 pub mod bench;
