@@ -574,3 +574,44 @@ impl Backend for ScriptedBackend {
             .collect()
     }
 }
+
+/// A backend that keeps its sequences in `inner` and runs each step through `hook(inner, work)`: for tests that
+/// delay, fail, panic or log steps without writing a whole backend.
+pub struct StepHook<B, F> {
+    pub inner: B,
+    pub hook: F,
+}
+
+impl<B, F> Backend for StepHook<B, F>
+where
+    B: Backend,
+    F: Fn(&B, &[Work]) -> Vec<Result<Output>> + Send + Sync,
+{
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
+        self.inner.alloc(tokens)
+    }
+    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
+        self.inner.fork(seq, tokens)
+    }
+    fn free(&self, seq: SeqId) {
+        self.inner.free(seq)
+    }
+    fn len(&self, seq: SeqId) -> Option<usize> {
+        self.inner.len(seq)
+    }
+    fn state_bytes(&self, seq: SeqId) -> usize {
+        self.inner.state_bytes(seq)
+    }
+    fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
+        (self.hook)(&self.inner, work)
+    }
+    fn step_tokens(&self) -> usize {
+        self.inner.step_tokens()
+    }
+}

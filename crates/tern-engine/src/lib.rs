@@ -8,7 +8,7 @@ pub mod model;
 
 pub use backend::{
     read_logits, sample_host, AllocError, Backend, CpuBackend, Output, Sample, Sampled, ScriptedBackend, SeqId,
-    TokenLogprob, Want, Work,
+    StepHook, TokenLogprob, Want, Work,
 };
 pub use engine::{Engine, EngineConfig, Event, Events, FinishReason, Request, Stats, SubmitError, Usage};
 pub use model::Model;

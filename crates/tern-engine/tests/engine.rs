@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tern_engine::{
-    AllocError, Backend, CpuBackend, Engine, EngineConfig, Event, FinishReason, Output, Request, ScriptedBackend,
-    SeqId, SubmitError, Want, Work,
+    Backend, CpuBackend, Engine, EngineConfig, Event, FinishReason, Request, ScriptedBackend, StepHook, SubmitError,
+    Want, Work,
 };
 use tern_model::testutil::{fixtures_dir, qwen_dir};
 use tern_model::{Logits, State, Weights};
@@ -166,52 +166,22 @@ fn submit_errors_carry_their_numbers() {
 
 /// A scripted backend (always token 7) whose steps take `delay` and panic when `panic` is set: for queueing and
 /// failure tests that must not race the engine.
-struct SlowBackend {
-    inner: ScriptedBackend,
-    delay: Duration,
-    panic: bool,
-}
-
-impl SlowBackend {
-    fn new(delay: Duration, panic: bool) -> SlowBackend {
-        SlowBackend { inner: ScriptedBackend::new(384, vec![7]), delay, panic }
-    }
-}
-
-impl Backend for SlowBackend {
-    fn name(&self) -> &str {
-        "slow"
-    }
-    fn vocab_size(&self) -> usize {
-        384
-    }
-    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
-        self.inner.alloc(tokens)
-    }
-    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
-        self.inner.fork(seq, tokens)
-    }
-    fn free(&self, seq: SeqId) {
-        self.inner.free(seq)
-    }
-    fn len(&self, seq: SeqId) -> Option<usize> {
-        self.inner.len(seq)
-    }
-    fn state_bytes(&self, seq: SeqId) -> usize {
-        self.inner.state_bytes(seq)
-    }
-    fn step(&self, work: &[Work]) -> Vec<anyhow::Result<Output>> {
-        std::thread::sleep(self.delay);
-        assert!(!self.panic, "SlowBackend: a backend failure");
-        self.inner.step(work)
-    }
+fn slow_backend(delay: Duration, panic: bool) -> Arc<dyn Backend> {
+    Arc::new(StepHook {
+        inner: ScriptedBackend::new(384, vec![7]),
+        hook: move |b: &ScriptedBackend, work: &[Work]| {
+            std::thread::sleep(delay);
+            assert!(!panic, "SlowBackend: a backend failure");
+            b.step(work)
+        },
+    })
 }
 
 /// `max_queue: 0` takes a request while a slot is free and refuses one while every slot is busy.
 #[test]
 fn max_queue_zero_is_no_waiting_room() {
     let tok = tok_or_skip!("max_queue_zero_is_no_waiting_room");
-    let backend = Arc::new(SlowBackend::new(Duration::from_millis(20), false));
+    let backend = slow_backend(Duration::from_millis(20), false);
     let config = EngineConfig { max_concurrent: 1, max_queue: 0, ..EngineConfig::default() };
     let engine = Engine::start(backend, tok, config);
     let running = engine.submit(greedy(vec![1, 2], 1000)).unwrap();
@@ -232,7 +202,7 @@ fn max_queue_zero_is_no_waiting_room() {
 #[test]
 fn is_running_tells_whether_requests_can_be_served() {
     let tok = tok_or_skip!("is_running_tells_whether_requests_can_be_served");
-    let engine = Engine::start(Arc::new(SlowBackend::new(Duration::ZERO, true)), tok, EngineConfig::default());
+    let engine = Engine::start(slow_backend(Duration::ZERO, true), tok, EngineConfig::default());
     assert!(engine.is_running());
     let rx = engine.submit(greedy(vec![1], 3)).unwrap();
     match rx.recv_timeout(Duration::from_secs(10)) {
@@ -293,42 +263,19 @@ fn padded_vocabulary_rows_are_never_sampled() {
 }
 
 /// A CPU backend that logs what each step item asked for.
-struct Logging {
-    inner: CpuBackend,
-    asked: Arc<Mutex<Vec<&'static str>>>,
-}
-
-impl Backend for Logging {
-    fn name(&self) -> &str {
-        "logging"
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
-        self.inner.alloc(tokens)
-    }
-    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
-        self.inner.fork(seq, tokens)
-    }
-    fn free(&self, seq: SeqId) {
-        self.inner.free(seq)
-    }
-    fn len(&self, seq: SeqId) -> Option<usize> {
-        self.inner.len(seq)
-    }
-    fn state_bytes(&self, seq: SeqId) -> usize {
-        self.inner.state_bytes(seq)
-    }
-    fn step(&self, work: &[Work]) -> Vec<anyhow::Result<Output>> {
-        let kinds = work.iter().map(|w| match w.out {
-            Want::Nothing => "nothing",
-            Want::Last | Want::All => "logits",
-            Want::Sample(_) => "sample",
-        });
-        self.asked.lock().unwrap().extend(kinds);
-        self.inner.step(work)
-    }
+fn logging(asked: Arc<Mutex<Vec<&'static str>>>) -> Arc<dyn Backend> {
+    Arc::new(StepHook {
+        inner: CpuBackend::new(fixture()),
+        hook: move |b: &CpuBackend, work: &[Work]| {
+            let kinds = work.iter().map(|w| match w.out {
+                Want::Nothing => "nothing",
+                Want::Last | Want::All => "logits",
+                Want::Sample(_) => "sample",
+            });
+            asked.lock().unwrap().extend(kinds);
+            b.step(work)
+        },
+    })
 }
 
 /// Sampling is behind the seam: every token (the one after the prompt and each decode step) is one `Sample` item
@@ -339,8 +286,7 @@ fn every_token_is_sampled_by_the_backend_and_the_engine_never_asks_for_logits() 
     let tok = tok_or_skip!("every_token_is_sampled_by_the_backend_and_the_engine_never_asks_for_logits");
     let asked = Arc::new(Mutex::new(vec![]));
     let cpu = Engine::start(Arc::new(CpuBackend::new(fixture())), tok.clone(), EngineConfig::default());
-    let backend = Logging { inner: CpuBackend::new(fixture()), asked: asked.clone() };
-    let logged = Engine::start(Arc::new(backend), tok, EngineConfig::default());
+    let logged = Engine::start(logging(asked.clone()), tok, EngineConfig::default());
     let prompt: Vec<u32> = vec![5, 17, 200, 33, 8];
     let (want, _) = collect(&cpu, greedy(prompt.clone(), 12));
     let (got, _) = collect(&logged, greedy(prompt.clone(), 12));

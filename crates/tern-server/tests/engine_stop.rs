@@ -7,42 +7,21 @@ mod common;
 
 use std::sync::Arc;
 
-use anyhow::Result;
-use tern_engine::{AllocError, Backend, Model, Output, ScriptedBackend, SeqId, Work};
+use tern_engine::{Backend, Model, ScriptedBackend, StepHook, Work};
 use tern_server::ServeOptions;
 
 /// Reading this token id panics the backend.
 const POISON: u32 = 1234;
 
 /// A scripted backend (always answers token 11) whose step panics on the poison token.
-struct Poisoned(ScriptedBackend);
-
-impl Backend for Poisoned {
-    fn name(&self) -> &str {
-        "poisoned"
-    }
-    fn vocab_size(&self) -> usize {
-        self.0.vocab_size()
-    }
-    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
-        self.0.alloc(tokens)
-    }
-    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
-        self.0.fork(seq, tokens)
-    }
-    fn free(&self, seq: SeqId) {
-        self.0.free(seq)
-    }
-    fn len(&self, seq: SeqId) -> Option<usize> {
-        self.0.len(seq)
-    }
-    fn state_bytes(&self, seq: SeqId) -> usize {
-        self.0.state_bytes(seq)
-    }
-    fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
-        assert!(!work.iter().any(|w| w.ids.contains(&POISON)), "a backend failure on the poison token");
-        self.0.step(work)
-    }
+fn poisoned() -> Arc<dyn Backend> {
+    Arc::new(StepHook {
+        inner: ScriptedBackend::new(248320, vec![11]),
+        hook: |b: &ScriptedBackend, work: &[Work]| {
+            assert!(!work.iter().any(|w| w.ids.contains(&POISON)), "a backend failure on the poison token");
+            b.step(work)
+        },
+    })
 }
 
 fn error_code(body: &str) -> String {
@@ -55,10 +34,7 @@ fn error_code(body: &str) -> String {
 #[test]
 fn health_is_honest_after_a_backend_panic() {
     let Some(qwen) = common::setup("health_is_honest_after_a_backend_panic") else { return };
-    let server = common::Server::start(
-        move || Model::with_backend(&qwen, Arc::new(Poisoned(ScriptedBackend::new(248320, vec![11])))),
-        ServeOptions::default(),
-    );
+    let server = common::Server::start(move || Model::with_backend(&qwen, poisoned()), ServeOptions::default());
     let t0 = std::time::Instant::now();
     while common::http(&server.root, "GET", "/health", None).0 != 200 {
         assert!(t0.elapsed().as_secs() < 60, "never ready");
