@@ -166,6 +166,10 @@ pub struct Stats {
     pub decode_us: AtomicU64,
     /// Requests queued (a request whose client has gone stops counting at once).
     pub waiting: AtomicUsize,
+    /// Requests taken off the queue and not yet ended (counted from the moment they leave it, so that `waiting +
+    /// admitted` never misses one: what `submit` checks).
+    pub admitted: AtomicUsize,
+    /// Sequences in the scheduler's running set after its last step (for /metrics).
     pub active: AtomicUsize,
     /// Backend steps run.
     pub steps: AtomicU64,
@@ -192,17 +196,34 @@ impl Ticket {
         }
     }
 
-    /// The scheduler takes the request off the queue; false if its client has gone.
-    fn take(&self) -> bool {
-        let taken = self.state.compare_exchange(QUEUED, TAKEN, Ordering::SeqCst, Ordering::SeqCst).is_ok();
-        if taken {
-            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+    /// The scheduler takes the request off the queue (`None` if its client has gone): it counts as admitted while
+    /// the returned guard lives (the count goes up before `waiting` goes down, so a concurrent `submit` may see one
+    /// request too many for an instant, never one too few).
+    fn take(&self) -> Option<Admitted> {
+        if self.state.load(Ordering::SeqCst) != QUEUED {
+            return None;
         }
-        taken
+        self.stats.admitted.fetch_add(1, Ordering::SeqCst);
+        if self.state.compare_exchange(QUEUED, TAKEN, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            self.stats.waiting.fetch_sub(1, Ordering::SeqCst);
+            Some(Admitted(self.stats.clone()))
+        } else {
+            self.stats.admitted.fetch_sub(1, Ordering::SeqCst);
+            None
+        }
     }
 
     fn gone(&self) -> bool {
         self.state.load(Ordering::SeqCst) == GONE
+    }
+}
+
+/// A request off the queue and not yet ended: counted in [`Stats::admitted`] while this lives.
+struct Admitted(Arc<Stats>);
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.admitted.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -333,8 +354,8 @@ impl Engine {
         }
         // Room for max_concurrent running and max_queue waiting (max_queue 0: no waiting room, not no room).
         let waiting = self.stats.waiting.load(Ordering::SeqCst);
-        let active = self.stats.active.load(Ordering::SeqCst);
-        if waiting + active >= self.config.max_concurrent.max(1) + self.config.max_queue {
+        let admitted = self.stats.admitted.load(Ordering::SeqCst);
+        if waiting + admitted >= self.config.max_concurrent.max(1) + self.config.max_queue {
             return Err(SubmitError::QueueFull { waiting });
         }
         let (tx, rx) = mpsc::channel();
@@ -344,7 +365,7 @@ impl Engine {
         let events = Events { rx, ticket: ticket.clone() };
         if let Err(mpsc::SendError(job)) = self.jobs.send(Job { req, events: tx, ticket, received: Instant::now() }) {
             let _ = job.events.send(Event::Error("the engine has stopped".into()));
-            job.ticket.take();
+            drop(job.ticket.take());
         }
         Ok(events)
     }
@@ -370,6 +391,8 @@ struct Active<'t> {
     first_token: Option<Instant>,
     /// In a batched step that panicked: replays alone until it has drawn a token again.
     suspect: bool,
+    /// Counts the request in `Stats::admitted` until it ends (the Active is dropped).
+    _admitted: Admitted,
 }
 
 impl Active<'_> {
@@ -515,9 +538,12 @@ impl<'a> Scheduler<'a> {
                 continue; // the client left while it waited
             }
             match self.place(&job.req) {
-                Ok((seq, _)) if !job.ticket.take() => self.backend.free(seq), // it left just now
                 Ok((seq, cached)) => {
-                    let a = self.activate(job, seq, cached);
+                    let Some(admitted) = job.ticket.take() else {
+                        self.backend.free(seq); // it left just now
+                        continue;
+                    };
+                    let a = self.activate(job, seq, cached, admitted);
                     let end = a.chunk_end(left);
                     left -= end - a.fed;
                     self.active.push(a);
@@ -529,7 +555,7 @@ impl<'a> Scheduler<'a> {
                     break;
                 }
                 Err(e) => {
-                    if job.ticket.take() {
+                    if let Some(_admitted) = job.ticket.take() {
                         let _ = job.events.send(Event::Error(e.to_string()));
                     }
                 }
@@ -558,7 +584,7 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    fn activate(&self, job: Job, seq: SeqId, cached: usize) -> Active<'a> {
+    fn activate(&self, job: Job, seq: SeqId, cached: usize, admitted: Admitted) -> Active<'a> {
         let prompt = &job.req.prompt;
         let detok = Detokenizer::new(
             self.tok,
@@ -569,6 +595,7 @@ impl<'a> Scheduler<'a> {
             },
         );
         Active {
+            _admitted: admitted,
             seed: job.req.sampling.seed.unwrap_or_else(random_seed),
             usage: Usage { prompt_tokens: prompt.len(), completion_tokens: 0, cached_tokens: cached },
             tokens: prompt.clone(),
