@@ -343,6 +343,7 @@ fn job(r: &Ready, o: Options, prompt: Vec<u32>, prompt_param: &str, chat: Option
         stop_strings: o.stop_strings,
         stop_ids: r.stop_ids.clone(),
         logprobs: o.logprobs,
+        constraint: None,
     };
     Ok(Job { request, stream: o.stream, include_usage: o.include_usage, chat, prompt_param: prompt_param.into() })
 }

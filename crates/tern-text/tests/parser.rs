@@ -17,15 +17,15 @@ fn parse(chunks: &[&str], thinking: bool) -> (String, String, Vec<ToolCall>) {
     let mut parser = OutputParser::new(&tools(), thinking);
     let mut events: Vec<ParseEvent> = chunks.iter().flat_map(|c| parser.feed(c)).collect();
     events.extend(parser.finish());
-    let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
-    for event in events {
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for event in &events {
         match event {
-            ParseEvent::Reasoning(t) => reasoning += &t,
-            ParseEvent::Content(t) => content += &t,
-            ParseEvent::ToolCall(c) => calls.push(c),
+            ParseEvent::Reasoning(t) => reasoning += t,
+            ParseEvent::Content(t) => content += t,
+            _ => {}
         }
     }
-    (reasoning, content, calls)
+    (reasoning, content, ToolCall::collect(&events))
 }
 
 const TOOL_OUTPUT: &str = "Need weather.\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=filters>\n{\"a\": [1, 2]}\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n<parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>";
