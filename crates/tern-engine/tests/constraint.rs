@@ -158,7 +158,7 @@ fn constrained_requests_draw_what_the_masks_allow() {
     assert_eq!(toks, vec![40, 7, 7, 7]);
     // Unconstrained requests in the same engine are untouched; several constrained ones run side by side.
     let rxs: Vec<_> = (0..4u32)
-        .map(|i| engine.submit(request(6, (i % 2 == 0).then(|| forced(&[50 + i, 60 + i], Duration::ZERO)))).unwrap())
+        .map(|i| engine.submit(request(6, i.is_multiple_of(2).then(|| forced(&[50 + i, 60 + i], Duration::ZERO)))).unwrap())
         .collect();
     for (i, rx) in rxs.into_iter().enumerate() {
         let toks: Vec<u32> = rx
@@ -169,7 +169,7 @@ fn constrained_requests_draw_what_the_masks_allow() {
             })
             .collect();
         let i = i as u32;
-        let want = if i % 2 == 0 { vec![50 + i, 60 + i, STOP] } else { vec![7; 6] };
+        let want = if i.is_multiple_of(2) { vec![50 + i, 60 + i, STOP] } else { vec![7; 6] };
         assert_eq!(toks, want, "request {i}");
     }
     // A failing constraint fails its request with the reason; the engine goes on.
