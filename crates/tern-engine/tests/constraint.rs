@@ -158,7 +158,9 @@ fn constrained_requests_draw_what_the_masks_allow() {
     assert_eq!(toks, vec![40, 7, 7, 7]);
     // Unconstrained requests in the same engine are untouched; several constrained ones run side by side.
     let rxs: Vec<_> = (0..4u32)
-        .map(|i| engine.submit(request(6, i.is_multiple_of(2).then(|| forced(&[50 + i, 60 + i], Duration::ZERO)))).unwrap())
+        .map(|i| {
+            engine.submit(request(6, i.is_multiple_of(2).then(|| forced(&[50 + i, 60 + i], Duration::ZERO)))).unwrap()
+        })
         .collect();
     for (i, rx) in rxs.into_iter().enumerate() {
         let toks: Vec<u32> = rx

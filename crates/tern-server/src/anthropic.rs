@@ -33,8 +33,12 @@ const FIELDS: &[&str] = &[
     "thinking",
     "metadata",
     "service_tier",
+    "output_config",
+    "cache_control",
+    "inference_geo",
+    "speed",
 ];
-const COUNT_FIELDS: &[&str] = &["model", "messages", "system", "tools", "tool_choice", "thinking"];
+const COUNT_FIELDS: &[&str] = &["model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"];
 
 /// The Anthropic error `type` of an HTTP status.
 pub(crate) fn error_type(status: u16) -> &'static str {
@@ -227,12 +231,27 @@ pub(crate) fn to_chat(b: &Body, count_only: bool) -> Result<(Body, ChatExtras), 
             chat.insert("parallel_tool_calls".into(), false.into());
         }
     }
+    if let Some(oc) = b.object("output_config")? {
+        if let Some(f) = oc.object("format")? {
+            match (f.str("type")?, f.get("schema")) {
+                (Some("json_schema"), Some(schema)) => {
+                    let rf = json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema,
+                                                                          "strict": true}});
+                    chat.insert("response_format".into(), rf);
+                }
+                _ => {
+                    let msg = "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": ...}";
+                    return Err(invalid("output_config", msg));
+                }
+            }
+        }
+    }
     let mut extras = ChatExtras::default();
     if let Some(t) = b.object("thinking")? {
         let on = match t.str("type")? {
-            Some("enabled" | "adaptive") => true,
+            Some("enabled" | "adaptive" | "between_tools") => true,
             Some("disabled") => false,
-            _ => return Err(invalid("thinking", "'thinking.type' must be enabled or disabled")),
+            _ => return Err(invalid("thinking", "'thinking.type' must be enabled, adaptive or disabled")),
         };
         if on {
             if let Some(budget) = t.int("budget_tokens", 1, i64::from(u32::MAX))? {

@@ -670,6 +670,19 @@ async fn metrics(State(st): State<Shared>) -> Response {
         let tps = if decode_s > 0.0 { (completion - ttft_n).max(0.0) / decode_s } else { 0.0 };
         metric("decode_tokens_per_second", "gauge", "tokens per second of one sequence after its first", tps);
         metric("queue_depth", "gauge", "requests waiting for a slot", s.waiting.load(Ordering::Relaxed) as f64);
+        metric("constraint_masks_total", "counter", "token masks computed for constrained requests", get(&s.masks));
+        metric(
+            "constraint_mask_seconds_total",
+            "counter",
+            "time the mask workers spent computing masks",
+            get(&s.mask_us) / 1e6,
+        );
+        metric(
+            "constraint_mask_wait_seconds_total",
+            "counter",
+            "time steps waited for a mask (the part not hidden behind the forward pass)",
+            get(&s.mask_wait_us) / 1e6,
+        );
         metric("requests_running", "gauge", "requests being decoded", s.active.load(Ordering::Relaxed) as f64);
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()

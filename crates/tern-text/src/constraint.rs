@@ -5,10 +5,10 @@
 //!   compiles a [`Spec`] into a [`Constrained`] per request (a JSON schema: about a millisecond).
 //! * [`Constrained`] is the state of one reply: [`Constrained::mask`] gives the bitset of the next draw (bit `i %
 //!   32` of word `i / 32` set: id `i` allowed), [`Constrained::commit`] advances past the token drawn.
-//! * With thinking on, the reply starts inside reasoning and the grammar starts after `</think>`: until then the
-//!   mask allows every token but the ones that would end or skip the reasoning (the stop ids, `<tool_call>`), so
-//!   a constrained reply cannot end before its constrained part; an optional budget forces `</think>` after that
-//!   many reasoning tokens.
+//! * With thinking on, the reply starts inside reasoning and the grammar starts after `</think>` (and the up to
+//!   two newlines the template writes after it): until then the mask allows every token but the ones that would
+//!   end or skip the reasoning (the stop ids, `<tool_call>`), so a constrained reply cannot end before its
+//!   constrained part; an optional budget forces `</think>` after that many reasoning tokens.
 //! * Once the grammar is complete the mask allows only the stop ids (llguidance's end of sequence).
 //!
 //! Tool calls follow the checkpoint's XML format (`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
@@ -75,6 +75,8 @@ pub struct Grammars {
     factory: ParserFactory,
     /// Ids of the tokenizer (bits of a mask).
     vocab: usize,
+    /// The ids of "\n" and "\n\n", with their newline counts: what may follow `</think>` before the grammar.
+    newlines: Arc<Vec<(u32, usize)>>,
 }
 
 impl Grammars {
@@ -86,8 +88,16 @@ impl Grammars {
         let env: TokEnv = bt.into_tok_env(None).map_err(|e| GrammarError(format!("{e:#}")))?;
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError(format!("{e:#}")))?;
         factory.quiet();
-        let vocab = env.tok_trie().vocab_size();
-        Ok(Grammars { factory, vocab })
+        let trie = env.tok_trie();
+        let vocab = trie.vocab_size();
+        let newlines = (0..vocab as u32)
+            .filter_map(|id| match trie.token(id) {
+                b"\n" => Some((id, 1)),
+                b"\n\n" => Some((id, 2)),
+                _ => None,
+            })
+            .collect();
+        Ok(Grammars { factory, vocab, newlines: Arc::new(newlines) })
     }
 
     /// Ids a mask covers (the tokenizer's).
@@ -153,6 +163,8 @@ impl Grammars {
         Ok(Constrained {
             matcher,
             reasoning,
+            lead: 0,
+            newlines: self.newlines.clone(),
             reasoned: 0,
             budget: reply.reasoning_budget,
             stops: Arc::new(stops),
@@ -186,6 +198,9 @@ pub struct Constrained {
     matcher: Option<Matcher>,
     /// While the reply is inside reasoning: its mask (`None` once `</think>` is drawn, or without thinking).
     reasoning: Option<Arc<Vec<u32>>>,
+    /// Newlines that may still come before the grammar (2 right after `</think>`, else 0), and their ids.
+    lead: usize,
+    newlines: Arc<Vec<(u32, usize)>>,
     /// Reasoning tokens drawn so far, and the most allowed before `</think>` is forced.
     reasoned: usize,
     budget: Option<usize>,
@@ -229,6 +244,11 @@ impl Constrained {
                 *w |= s;
             }
         }
+        for &(id, n) in self.newlines.iter() {
+            if n <= self.lead {
+                words[id as usize / 32] |= 1 << (id % 32);
+            }
+        }
         if words.iter().all(|&w| w == 0) {
             return Err("the grammar allows no token here".into());
         }
@@ -240,10 +260,18 @@ impl Constrained {
         if self.reasoning.is_some() {
             if token == THINK_END_ID {
                 self.reasoning = None;
+                self.lead = 2;
             } else {
                 self.reasoned += 1;
             }
             return Ok(());
+        }
+        if self.lead > 0 {
+            if let Some(&(_, n)) = self.newlines.iter().find(|(id, n)| *id == token && *n <= self.lead) {
+                self.lead -= n;
+                return Ok(());
+            }
+            self.lead = 0;
         }
         match &mut self.matcher {
             Some(m) if !m.is_stopped() => m.consume_token(token).map_err(|e| format!("{e:#}")),
