@@ -318,16 +318,22 @@ fn constrained_decoding_cost_on_the_cpu_backend() {
                                    "minItems": 60, "maxItems": 60});
     let long = serde_json::json!({"type": "object", "properties": {"text": {"type": "string", "minLength": 400,
                                   "maxLength": 400}}, "required": ["text"], "additionalProperties": false});
-    let cases: [(&str, Option<&serde_json::Value>); 3] = [("free text", None), ("short strings", Some(&short)), ("one long string", Some(&long))];
+    let cases: [(&str, Option<&serde_json::Value>); 3] =
+        [("free text", None), ("short strings", Some(&short)), ("one long string", Some(&long))];
     for (name, schema) in cases {
         let engine = Engine::start(Arc::new(CpuBackend::new(weights.clone())), tok.clone(), EngineConfig::default());
-        let constraint = schema.map(|s| {
-            Constraint::new(grammars.compile(Spec::JsonSchema { schema: s, strict: true }, &reply).unwrap())
-        });
+        let constraint = schema
+            .map(|s| Constraint::new(grammars.compile(Spec::JsonSchema { schema: s, strict: true }, &reply).unwrap()));
         let req = Request {
             prompt: prompt.clone(),
             // The checkpoint's own sampling defaults (top-k 20, top-p 0.95).
-            sampling: SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, seed: Some(3), ..SamplingParams::default() },
+            sampling: SamplingParams {
+                temperature: 1.0,
+                top_k: 20,
+                top_p: 0.95,
+                seed: Some(3),
+                ..SamplingParams::default()
+            },
             max_tokens: 200,
             stop_strings: vec![],
             // Free text runs its 200 tokens; a schema ends where its JSON does (or at 200).
