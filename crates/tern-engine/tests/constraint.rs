@@ -33,6 +33,12 @@ macro_rules! tok_or_skip {
 }
 
 const VOCAB: usize = 384;
+
+/// The tests that time steps or use the cores take turns (the others are light).
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
 const STOP: u32 = 300;
 
 fn words(ids: &[u32]) -> Vec<u32> {
@@ -188,6 +194,7 @@ fn constrained_requests_draw_what_the_masks_allow() {
 /// step that needs it runs its forward pass.
 #[test]
 fn masks_are_computed_beside_the_step() {
+    let _turn = turn();
     let tok = tok_or_skip!("masks_are_computed_beside_the_step");
     let (step, mask) = (Duration::from_millis(60), Duration::from_millis(40));
     let backend = Arc::new(Slow { inner: ScriptedBackend::new(VOCAB, vec![7]), delay: step });
@@ -256,6 +263,7 @@ fn sample_host_applies_the_mask() {
 /// A JSON schema on the CPU backend of a random model with the real vocabulary: every reply parses and follows it.
 #[test]
 fn json_schema_on_a_random_model() {
+    let _turn = turn();
     let Some(dir) = qwen_dir() else {
         println!("SKIPPED: json_schema_on_a_random_model: TERN_QWEN_DIR not set");
         return;
@@ -304,6 +312,7 @@ fn json_schema_on_a_random_model() {
 /// per token is measured between the first and the last token (decode only), the mask figures come from Stats.
 #[test]
 fn constrained_decoding_cost_on_the_cpu_backend() {
+    let _turn = turn();
     let Some(dir) = qwen_dir() else {
         println!("SKIPPED: constrained_decoding_cost_on_the_cpu_backend: TERN_QWEN_DIR not set");
         return;
