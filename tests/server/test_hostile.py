@@ -156,7 +156,7 @@ def sampling_suite(root, key, pid, log):
 
     # Every other sampling field is bounded where it enters, with the limit in the message and the right param.
     bad = [
-        ({"n": 2}, "n", "1"),
+        ({"n": 17}, "n", "16"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
         ({"presence_penalty": 2.5}, "presence_penalty", "2"),
         ({"frequency_penalty": -3}, "frequency_penalty", "-2"),

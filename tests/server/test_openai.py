@@ -137,14 +137,13 @@ def real_suite(base, key):
     expect_error(400, lambda: chat(model=model, messages=[{"role": "system", "content": "only system"}]))
     expect_error(400, lambda: chat(model=model, messages=user, max_tokens=ctx + 10), "max_tokens",
                  [str(ctx), str(ctx + 10)])
-    expect_error(400, lambda: chat(model=model, messages=user, n=2), "n")
-    expect_error(400, lambda: chat(model=model, messages=user, response_format={"type": "json_object"}),
-                 "response_format")
+    expect_error(400, lambda: chat(model=model, messages=user, n=17), "n", ["16"])
+    expect_error(400, lambda: chat(model=model, messages=user, response_format={"type": "xml"}), "response_format")
     expect_error(400, lambda: chat(model=model, messages=user, tool_choice="required"), "tool_choice")
     expect_error(404, lambda: chat(model="no-such-model", messages=user), "model")
     bad_key = openai.OpenAI(base_url=base, api_key="wrong", max_retries=0)
     expect_error(401, lambda: bad_key.chat.completions.create(model=model, messages=user))
-    expect_error(400, lambda: client.completions.create(model=model, prompt=["a", "b"]), "prompt")
+    expect_error(400, lambda: client.completions.create(model=model, prompt=[["a"]]), "prompt")
     auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     body = raw_error(httpx.post(f"{base}/chat/completions", content=b'{"messages": [', headers=auth), 400)
     check("invalid JSON" in body["message"], body)
@@ -174,7 +173,7 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 def scripted_suite(base, content_base, forced_base):
     """`base` replies (after the prompt's "<think>\\n") "plan\\n</think>\\n\\n<tool_call>...get_weather(city=Paris)...</tool_call>";
     `content_base` replies "Sunny in Paris.\\n\\n<tool_call>...</tool_call>" (for thinking off); `forced_base`
-    replies only the rest of a call after "<function=get_weather>\\n"."""
+    replies the call alone (what a grammar-forced call allows)."""
     for b in (base, content_base, forced_base):
         wait_ready(b.removesuffix("/v1"))
     client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
@@ -190,15 +189,23 @@ def scripted_suite(base, content_base, forced_base):
     check(call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}, call)
     check(call.id.startswith("call") and r.choices[0].finish_reason == "tool_calls", r)
 
-    # The same, streamed: reasoning deltas, then one tool-call delta with the arguments.
+    # The same, streamed: reasoning deltas, then the call's id and name, then its arguments in pieces.
     chunks = list(chat(model=model, messages=ASK, tools=WEATHER, stream=True))
     check(chunks[0].choices[0].delta.role == "assistant", chunks[0])
     reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks)
     check(reasoning == "plan", reasoning)
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    check(len(deltas) == 1 and deltas[0].index == 0 and deltas[0].function.name == "get_weather", deltas)
-    check(json.loads(deltas[0].function.arguments) == {"city": "Paris"}, deltas)
+    check(len(deltas) >= 3 and all(d.index == 0 for d in deltas), deltas)
+    check(deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call")
+          and deltas[0].function.arguments == "", deltas[0])
+    check(all(d.function.name is None and d.id is None for d in deltas[1:]), "the name comes once, first")
+    check(json.loads("".join(d.function.arguments for d in deltas)) == {"city": "Paris"}, deltas)
     check(chunks[-1].choices[0].finish_reason == "tool_calls", chunks[-1])
+    # tool_choice "required" with thinking on: the grammar starts after </think>; the scripted call follows it.
+    r = chat(model=model, messages=ASK, tools=WEATHER, tool_choice="required")
+    m = r.choices[0].message
+    check(m.model_extra["reasoning_content"] == "plan" and len(m.tool_calls) == 1, m)
+    check(json.loads(m.tool_calls[0].function.arguments) == {"city": "Paris"}, m)
 
     # Round trip: the call and its result go back in; the template renders them.
     history = ASK + [{"role": "assistant", "content": None, "reasoning_content": "plan",
@@ -237,12 +244,15 @@ def scripted_suite(base, content_base, forced_base):
     r = off.chat.completions.create(model=model, messages=ASK, **kw)
     check(r.choices[0].message.content.startswith("Sunny in Paris.") and not r.choices[0].message.tool_calls, r)
 
-    # A named tool_choice with thinking off opens the call in the prompt; the model writes the rest.
+    # A named tool_choice with thinking off: the reply is constrained to a call of that function.
     forced = openai.OpenAI(base_url=forced_base, api_key="none", max_retries=0, timeout=60)
     r = forced.chat.completions.create(model=model, messages=ASK, tools=WEATHER + other, **kw,
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
     m = r.choices[0].message
     check(len(m.tool_calls) == 1 and json.loads(m.tool_calls[0].function.arguments) == {"city": "Paris"}, m)
+    # parallel_tool_calls false: the reply ends with its first call.
+    r = forced.chat.completions.create(model=model, messages=ASK, tools=WEATHER, parallel_tool_calls=False, **kw)
+    check(len(r.choices[0].message.tool_calls) == 1 and r.choices[0].finish_reason == "tool_calls", r)
 
 
 def metrics(root):

@@ -96,12 +96,14 @@ impl Session {
             stop_strings: vec![],
             stop_ids: self.model.stop_ids.clone(),
             logprobs: None,
+            constraint: None,
         };
         let rx = self.engine.submit(req)?;
         let mut parser = OutputParser::new(&[], self.thinking);
         let mut ans =
             Answer { reasoning: String::new(), content: String::new(), tool_calls: vec![], tokens: 0, seconds: 0.0 };
         let dim = std::io::stderr().is_terminal();
+        let mut call: Option<(String, String)> = None;
         let mut show = |events: Vec<ParseEvent>, ans: &mut Answer| -> Result<()> {
             for ev in events {
                 match ev {
@@ -119,10 +121,20 @@ impl Session {
                         out.flush()?;
                         ans.content.push_str(&t);
                     }
-                    ParseEvent::ToolCall(c) => {
-                        let call = json!({"type": "function", "function": {"name": c.name, "arguments": c.arguments}});
-                        writeln!(out, "[tool call] {call}")?;
-                        ans.tool_calls.push(call);
+                    ParseEvent::ToolCallStart { name } => {
+                        call = Some((name, String::new()));
+                    }
+                    ParseEvent::ToolCallArgs(a) => {
+                        if let Some((_, args)) = &mut call {
+                            args.push_str(&a);
+                        }
+                    }
+                    ParseEvent::ToolCallEnd => {
+                        if let Some((name, arguments)) = call.take() {
+                            let call = json!({"type": "function", "function": {"name": name, "arguments": arguments}});
+                            writeln!(out, "[tool call] {call}")?;
+                            ans.tool_calls.push(call);
+                        }
                     }
                 }
             }

@@ -137,7 +137,8 @@ fn greedy_sample_takes_the_device_argmax_and_matches_the_host() {
     let (a, s) = (b.alloc(100).unwrap(), b.alloc(100).unwrap());
     let am = |x: &[f32]| x.iter().enumerate().fold(0, |m, (i, &y)| if y > x[m] { i } else { m }) as u32;
     let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
-    let draw = |limit| Want::Sample(Sample { params: &greedy, seed: 1, history: &[], top_logprobs: None, limit });
+    let draw =
+        |limit| Want::Sample(Sample { params: &greedy, seed: 1, history: &[], top_logprobs: None, limit, mask: None });
     let token = |o: Output| match o {
         Output::Token(t) => t.token,
         o => panic!("{o:?}"),

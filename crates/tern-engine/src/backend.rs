@@ -28,6 +28,17 @@
 //!   rows are embedding padding (never sampled). The draw is a function of the logits and these alone, so the
 //!   same seed gives the same id on the same backend, also when a step is retried. The CPU backend samples with
 //!   [`sample_host`] (tern-text's sampler); a GPU backend may sample on the device.
+//! * **Constrained draws carry a token mask.** [`Sample::mask`] (structured output: a JSON schema, a grammar, a
+//!   forced tool call) says which ids the draw may choose. It is a [`MaskSlot`] that a constraint worker fills
+//!   *while the step runs*: a backend reads it ([`MaskSlot::wait`]) only once the logits are there, so the mask
+//!   is computed beside the forward pass, not before it. Its form is a plain bitset, the same for every backend:
+//!   `words: &[u32]` of `limit.div_ceil(32)` words, id `i` allowed ⇔ `words[i / 32] >> (i % 32) & 1 == 1`
+//!   ([`mask_allows`]); ids past the words are not allowed. A backend sets the logit of every disallowed id to
+//!   -inf *after* computing log-probabilities (they describe the model's distribution) and *before* logit bias,
+//!   penalties, temperature and the cuts; the id drawn is always an allowed one (if every allowed logit is -inf
+//!   or NaN, the lowest allowed id). A masked draw is never [`Sample::is_argmax`]: a device argmax over the raw
+//!   logits would ignore the mask. [`apply_mask`] is the host version; a GPU sampler uploads the words and does
+//!   the same on the device.
 //! * **Panics.** A step may panic (a bug). The engine catches it; every sequence in that step may then have lost
 //!   or half-updated state, so the engine frees them all and goes on with fresh sequences. A backend must stay
 //!   usable after a panicking step: no lock held across model code, nothing left poisoned ([`Slots`] does this
@@ -35,7 +46,9 @@
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::Instant;
 
 use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
@@ -124,15 +137,108 @@ pub struct Sample<'a> {
     pub top_logprobs: Option<usize>,
     /// Ids at or above this are embedding padding past the tokenizer's last id: never drawn, not in logprobs.
     pub limit: usize,
+    /// Constrained decoding: the ids this draw may choose (see the module documentation); `None`: any id below
+    /// `limit`.
+    pub mask: Option<&'a MaskSlot>,
 }
 
 impl Sample<'_> {
     /// Whether the draw is the plain argmax of the first `limit` logits (temperature 0, no penalty or bias, no
-    /// logprobs), which a backend may find where the logits are instead of moving them.
+    /// logprobs, no mask), which a backend may find where the logits are instead of moving them.
     pub fn is_argmax(&self) -> bool {
         self.top_logprobs.is_none()
+            && self.mask.is_none()
             && Sampler::new(SamplingParams { seed: Some(0), ..self.params.clone() }).is_plain_greedy()
     }
+}
+
+/// What a mask worker puts in a [`MaskSlot`]: the bitset, `None` when the draw turned out unconstrained (the
+/// constraint has ended), or why no mask could be computed (the draw fails).
+pub type MaskResult = Result<Option<Vec<u32>>, String>;
+
+/// The token mask of one draw, filled once by whoever computes it (a constraint worker) and read by the backend
+/// when it samples, which blocks until it is there. Whoever takes on filling a slot must fill it, also on failure
+/// (a slot never filled would block its step forever): the engine's workers fill it from a guard.
+#[derive(Debug, Default)]
+pub struct MaskSlot {
+    cell: OnceLock<MaskResult>,
+    /// Nanoseconds readers spent blocked in [`MaskSlot::wait`]: the part of the mask's cost on the step's path.
+    waited_ns: AtomicU64,
+}
+
+impl MaskSlot {
+    /// A slot to be filled later.
+    pub fn pending() -> MaskSlot {
+        MaskSlot::default()
+    }
+
+    /// A slot holding `words` already.
+    pub fn ready(words: Vec<u32>) -> MaskSlot {
+        let slot = MaskSlot::default();
+        slot.fill(Ok(Some(words)));
+        slot
+    }
+
+    /// Put the result in (the first fill wins; later ones are ignored).
+    pub fn fill(&self, r: MaskResult) {
+        let _ = self.cell.set(r);
+    }
+
+    pub fn is_filled(&self) -> bool {
+        self.cell.get().is_some()
+    }
+
+    /// The mask, once filled (blocking until then): `Ok(None)` means no constraint on this draw.
+    pub fn wait(&self) -> Result<Option<&[u32]>> {
+        let r = match self.cell.get() {
+            Some(r) => r,
+            None => {
+                let t0 = Instant::now();
+                let r = self.cell.wait();
+                self.waited_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                r
+            }
+        };
+        match r {
+            Ok(w) => Ok(w.as_deref()),
+            Err(e) => Err(anyhow!("the output constraint failed: {e}")),
+        }
+    }
+
+    /// The result without blocking (`None` while pending).
+    pub fn peek(&self) -> Option<&MaskResult> {
+        self.cell.get()
+    }
+
+    /// Nanoseconds [`MaskSlot::wait`] has blocked so far.
+    pub fn waited_ns(&self) -> u64 {
+        self.waited_ns.load(Ordering::Relaxed)
+    }
+}
+
+/// Whether bit `id` of a mask bitset is set (ids past its words: no).
+pub fn mask_allows(words: &[u32], id: u32) -> bool {
+    words.get(id as usize / 32).is_some_and(|w| w >> (id % 32) & 1 == 1)
+}
+
+/// Set every logit the mask does not allow to -inf; returns how many ids it allows among `logits`.
+pub fn apply_mask(logits: &mut [f32], words: &[u32]) -> usize {
+    let mut allowed = 0;
+    for (i, chunk) in logits.chunks_mut(32).enumerate() {
+        let w = words.get(i).copied().unwrap_or(0);
+        if w == u32::MAX && chunk.len() == 32 {
+            allowed += 32;
+            continue;
+        }
+        for (b, l) in chunk.iter_mut().enumerate() {
+            if w >> b & 1 == 1 {
+                allowed += 1;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    allowed
 }
 
 /// What one [`Work`] item produced.
@@ -220,7 +326,22 @@ pub fn sample_host(logits: &mut [f32], s: &Sample) -> Result<Sampled> {
     let top_k = if s.params.top_k >= limit { 0 } else { s.params.top_k };
     let params = SamplingParams { seed: Some(s.seed), top_k, ..s.params.clone() };
     let raw = logprob.as_ref().map(|_| logits[..limit].to_vec());
-    let token = Sampler::new(params).sample(&mut logits[..limit], s.history);
+    let mask = match s.mask {
+        Some(slot) => slot.wait()?,
+        None => None,
+    };
+    if let Some(words) = mask {
+        if apply_mask(&mut logits[..limit], words) == 0 {
+            bail!("the output constraint allows no token here");
+        }
+    }
+    let mut token = Sampler::new(params).sample(&mut logits[..limit], s.history);
+    if let Some(words) = mask {
+        if !mask_allows(words, token) {
+            // Only when every allowed logit is -inf or NaN: the sampler's fallback ignores the mask.
+            token = (0..limit as u32).find(|&i| mask_allows(words, i)).unwrap_or(token);
+        }
+    }
     let logprob =
         logprob.zip(raw).map(|((lse, top), raw)| TokenLogprob { token, logprob: raw[token as usize] - lse, top });
     Ok(Sampled { token, logprob })

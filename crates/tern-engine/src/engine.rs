@@ -35,18 +35,29 @@
 //! finished reply (prompt + reply). A request whose prompt starts with a snapshot's tokens forks it and reads only
 //! the rest (`cached_tokens` in its usage). Bounded by [`EngineConfig::prefix_cache_bytes`] of backend state;
 //! what saves the least prefill per byte, discounted by how long ago it was last useful, is evicted first.
+//!
+//! # Constrained decoding
+//!
+//! A request with a [`Constraint`] draws every token under a mask ([`Sample::mask`]). The masks are computed by
+//! [`EngineConfig::constraint_threads`] worker threads, never on the scheduler thread: the first one as soon as
+//! the request is admitted (it is ready long before its prompt is read), each next one as soon as the token
+//! before it is drawn, handed to the backend as a [`MaskSlot`] the worker fills while the next step's forward
+//! pass runs. The backend waits on the slot only when it samples, so only the part of a mask's computation that
+//! outlasts the forward pass delays the step ([`Stats::mask_wait_us`]; [`Stats::mask_us`] is the whole).
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvError, RecvTimeoutError, Sender, TryRecvError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use tern_text::{DetokConfig, Detokenizer, Finish, SamplingParams, Tokenizer, IM_START_ID};
 
-use crate::backend::{panic_message, AllocError, Backend, Output, Sample, SeqId, TokenLogprob, Want, Work};
+use crate::backend::{
+    panic_message, AllocError, Backend, MaskResult, MaskSlot, Output, Sample, SeqId, TokenLogprob, Want, Work,
+};
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -63,11 +74,68 @@ pub struct EngineConfig {
     /// Bytes of backend state the prefix cache may keep (0: no cache); 4 GiB (≈ 40 snapshots of the full model
     /// at 1k tokens on the CPU, ≈ 18 on the interim CUDA backend at an 8k context).
     pub prefix_cache_bytes: usize,
+    /// Threads computing the token masks of constrained requests (beside the steps); half the cores, 1 to 8.
+    pub constraint_threads: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { ctx_size: 32768, max_concurrent: 64, max_queue: 64, step_tokens: 0, prefix_cache_bytes: 4 << 30 }
+        EngineConfig {
+            ctx_size: 32768,
+            max_concurrent: 64,
+            max_queue: 64,
+            step_tokens: 0,
+            prefix_cache_bytes: 4 << 30,
+            constraint_threads: std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 8)),
+        }
+    }
+}
+
+/// The state machine behind constrained decoding (a grammar, a JSON schema): which tokens may come next.
+/// The engine calls it from its constraint workers, one call at a time per request.
+pub trait TokenConstraint: Send {
+    /// The mask of the next draw: a bitset over the tokenizer's ids in the form [`Sample::mask`] documents, or
+    /// `None` when the constraint has ended and the rest of the reply is free.
+    fn mask(&mut self) -> Result<Option<Vec<u32>>>;
+    /// Advance past `token`, drawn under the last mask.
+    fn commit(&mut self, token: u32) -> Result<()>;
+    /// An independent copy in the same state (for several choices of one prompt).
+    fn box_clone(&self) -> Box<dyn TokenConstraint>;
+}
+
+/// tern-text's llguidance constraints (JSON schema, Lark, forced tool calls).
+impl TokenConstraint for tern_text::Constrained {
+    fn mask(&mut self) -> Result<Option<Vec<u32>>> {
+        tern_text::Constrained::mask(self).map_err(anyhow::Error::msg)
+    }
+
+    fn commit(&mut self, token: u32) -> Result<()> {
+        tern_text::Constrained::commit(self, token).map_err(anyhow::Error::msg)
+    }
+
+    fn box_clone(&self) -> Box<dyn TokenConstraint> {
+        Box::new(self.clone())
+    }
+}
+
+/// A request's output constraint.
+pub struct Constraint(pub Box<dyn TokenConstraint>);
+
+impl Constraint {
+    pub fn new(c: impl TokenConstraint + 'static) -> Constraint {
+        Constraint(Box::new(c))
+    }
+}
+
+impl Clone for Constraint {
+    fn clone(&self) -> Self {
+        Constraint(self.0.box_clone())
+    }
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraint")
     }
 }
 
@@ -81,6 +149,8 @@ pub struct Request {
     pub stop_ids: Vec<u32>,
     /// Return the log-probability of each token and this many alternatives.
     pub logprobs: Option<usize>,
+    /// Draw every token under this constraint's masks (structured output); `None`: free text.
+    pub constraint: Option<Constraint>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,6 +181,8 @@ pub enum Event {
     Done {
         finish: FinishReason,
         usage: Usage,
+        /// The stop string that ended the reply (not part of its text), if one did.
+        stop_string: Option<String>,
     },
     Error(String),
 }
@@ -176,6 +248,11 @@ pub struct Stats {
     /// Snapshots in the prefix cache and the bytes of state they hold.
     pub prefix_cache_entries: AtomicUsize,
     pub prefix_cache_bytes: AtomicUsize,
+    /// Token masks computed for constrained requests, and the microseconds their workers spent on them.
+    pub masks: AtomicU64,
+    pub mask_us: AtomicU64,
+    /// Microseconds backends waited for a mask when sampling: the part of [`Stats::mask_us`] on the steps' path.
+    pub mask_wait_us: AtomicU64,
 }
 
 const QUEUED: u8 = 0;
@@ -326,7 +403,8 @@ impl Engine {
             .name("tern-scheduler".into())
             .spawn(move || {
                 let _guard = guard;
-                Scheduler::new(&*backend, &tokenizer, &s, &c).run(rx)
+                let masks = start_mask_workers(c.constraint_threads, &s);
+                Scheduler::new(&*backend, &tokenizer, &s, &c, masks).run(rx)
             })
             .expect("cannot start the scheduler thread");
         Engine { jobs: tx, stats, config, vocab, running }
@@ -391,8 +469,67 @@ struct Active<'t> {
     first_token: Option<Instant>,
     /// In a batched step that panicked: replays alone until it has drawn a token again.
     suspect: bool,
+    /// Constrained decoding: the constraint and the slot of the next draw's mask.
+    masked: Option<Masked>,
     /// Counts the request in `Stats::admitted` until it ends (the Active is dropped).
     _admitted: Admitted,
+}
+
+/// A constrained request's constraint (shared with the worker computing its next mask) and that mask's slot.
+struct Masked {
+    constraint: Arc<Mutex<Box<dyn TokenConstraint>>>,
+    slot: Arc<MaskSlot>,
+}
+
+/// One mask to compute: commit the token drawn (if any), then fill `slot` with the next draw's mask. A job
+/// dropped unrun (the workers are gone) fills its slot with an error, so no step waits for it forever.
+struct MaskJob {
+    constraint: Arc<Mutex<Box<dyn TokenConstraint>>>,
+    commit: Option<u32>,
+    slot: Arc<MaskSlot>,
+}
+
+impl Drop for MaskJob {
+    fn drop(&mut self) {
+        self.slot.fill(Err("no worker computed the mask (the engine is stopping)".into()));
+    }
+}
+
+impl MaskJob {
+    fn run(&self, stats: &Stats) {
+        let t0 = Instant::now();
+        let r: MaskResult = catch_unwind(AssertUnwindSafe(|| {
+            let mut c = self.constraint.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(t) = self.commit {
+                c.commit(t).map_err(|e| format!("{e:#}"))?;
+            }
+            c.mask().map_err(|e| format!("{e:#}"))
+        }))
+        .unwrap_or_else(|p| Err(format!("internal error in the constraint: {}", panic_message(&*p))));
+        stats.mask_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        stats.masks.fetch_add(1, Ordering::Relaxed);
+        self.slot.fill(r);
+    }
+}
+
+/// Start `n` mask workers (at least one); `None` if none could start (constrained requests then fail).
+fn start_mask_workers(n: usize, stats: &Arc<Stats>) -> Option<Sender<MaskJob>> {
+    let (tx, rx) = mpsc::channel::<MaskJob>();
+    let rx = Arc::new(Mutex::new(rx));
+    let mut started = 0;
+    for i in 0..n.max(1) {
+        let (rx, stats) = (rx.clone(), stats.clone());
+        let spawned = std::thread::Builder::new().name(format!("tern-mask-{i}")).spawn(move || loop {
+            // The lock is held only while waiting for a job, never while running one.
+            let job = rx.lock().unwrap_or_else(PoisonError::into_inner).recv();
+            match job {
+                Ok(job) => job.run(&stats),
+                Err(_) => return, // the scheduler has ended
+            }
+        });
+        started += spawned.is_ok() as usize;
+    }
+    (started > 0).then_some(tx)
 }
 
 impl Active<'_> {
@@ -428,10 +565,18 @@ struct Scheduler<'a> {
     cache: PrefixCache,
     /// Where the round-robin over decodes starts when they alone exceed the budget.
     rotate: usize,
+    /// The mask workers' queue (`None`: none could start).
+    masks: Option<Sender<MaskJob>>,
 }
 
 impl<'a> Scheduler<'a> {
-    fn new(backend: &'a dyn Backend, tok: &'a Tokenizer, stats: &'a Stats, cfg: &'a EngineConfig) -> Self {
+    fn new(
+        backend: &'a dyn Backend,
+        tok: &'a Tokenizer,
+        stats: &'a Stats,
+        cfg: &'a EngineConfig,
+        masks: Option<Sender<MaskJob>>,
+    ) -> Self {
         Scheduler {
             backend,
             tok,
@@ -441,6 +586,7 @@ impl<'a> Scheduler<'a> {
             active: Vec::new(),
             cache: PrefixCache::new(cfg.prefix_cache_bytes),
             rotate: 0,
+            masks,
         }
     }
 
@@ -584,7 +730,13 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    fn activate(&self, job: Job, seq: SeqId, cached: usize, admitted: Admitted) -> Active<'a> {
+    fn activate(&self, mut job: Job, seq: SeqId, cached: usize, admitted: Admitted) -> Active<'a> {
+        let masked = job.req.constraint.take().map(|c| {
+            let m = Masked { constraint: Arc::new(Mutex::new(c.0)), slot: Arc::new(MaskSlot::pending()) };
+            // The first mask, computed while the prompt is read.
+            send_mask_job(&self.masks, &m, None);
+            m
+        });
         let prompt = &job.req.prompt;
         let detok = Detokenizer::new(
             self.tok,
@@ -608,6 +760,7 @@ impl<'a> Scheduler<'a> {
             generated: Vec::new(),
             first_token: None,
             suspect: false,
+            masked,
             job,
         }
     }
@@ -629,6 +782,7 @@ impl<'a> Scheduler<'a> {
                             history: &a.generated,
                             top_logprobs: a.job.req.logprobs,
                             limit,
+                            mask: a.masked.as_ref().map(|m| &*m.slot),
                         })
                     };
                     Work { seq: a.seq, ids: &a.tokens[a.fed..end], out }
@@ -720,12 +874,36 @@ impl<'a> Scheduler<'a> {
             Output::Nothing if end < a.tokens.len() => Fate::Continue,
             Output::Token(s) if end == a.tokens.len() => {
                 a.suspect = false;
-                emit_token(a, s.token, s.logprob, self.stats, self.cfg)
+                let fate = emit_token(a, s.token, s.logprob, self.stats, self.cfg);
+                if let Some(m) = &mut a.masked {
+                    self.stats.mask_wait_us.fetch_add(m.slot.waited_ns() / 1000, Ordering::Relaxed);
+                    if matches!(m.slot.peek(), Some(Ok(None))) {
+                        a.masked = None; // the constraint has ended: the rest is free
+                    } else if matches!(fate, Fate::Continue) {
+                        // The next mask, computed while the next step's forward pass runs.
+                        m.slot = Arc::new(MaskSlot::pending());
+                        send_mask_job(&self.masks, m, Some(s.token));
+                    }
+                }
+                fate
             }
             other => {
                 let _ = a.job.events.send(Event::Error(format!("internal error: the backend returned {other:?}")));
                 Fate::Drop
             }
+        }
+    }
+}
+
+/// Queue the computation of `m`'s next mask (after committing `commit`); without workers the slot gets an error.
+fn send_mask_job(workers: &Option<Sender<MaskJob>>, m: &Masked, commit: Option<u32>) {
+    let job = MaskJob { constraint: m.constraint.clone(), commit, slot: m.slot.clone() };
+    match workers {
+        // A failed send drops the job, which fills the slot with an error.
+        Some(tx) => drop(tx.send(job)),
+        None => {
+            m.slot.fill(Err("no constraint worker thread could be started".into()));
+            drop(job);
         }
     }
 }
@@ -771,7 +949,11 @@ fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: 
     if let Some(t0) = a.first_token {
         stats.decode_us.fetch_add((now - t0).as_micros() as u64, Ordering::Relaxed);
     }
-    let _ = a.job.events.send(Event::Done { finish, usage: a.usage });
+    let stop_string = match step.finish {
+        Some(Finish::StopString(s)) => Some(s),
+        _ => None,
+    };
+    let _ = a.job.events.send(Event::Done { finish, usage: a.usage, stop_string });
     Fate::Done
 }
 

@@ -7,10 +7,12 @@ pub mod engine;
 pub mod model;
 
 pub use backend::{
-    read_logits, sample_host, AllocError, Backend, CpuBackend, Output, Sample, Sampled, ScriptedBackend, SeqId,
-    StepHook, TokenLogprob, Want, Work,
+    apply_mask, mask_allows, read_logits, sample_host, AllocError, Backend, CpuBackend, MaskResult, MaskSlot, Output,
+    Sample, Sampled, ScriptedBackend, SeqId, StepHook, TokenLogprob, Want, Work,
 };
-pub use engine::{Engine, EngineConfig, Event, Events, FinishReason, Request, Stats, SubmitError, Usage};
+pub use engine::{
+    Constraint, Engine, EngineConfig, Event, Events, FinishReason, Request, Stats, SubmitError, TokenConstraint, Usage,
+};
 pub use model::Model;
 /// The sampling parameters [`Sample`] carries (tern-text's), for backends that sample on their own.
 pub use tern_text::SamplingParams;

@@ -37,6 +37,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
         stop_strings: vec![],
         stop_ids: vec![],
         logprobs: None,
+        constraint: None,
     }
 }
 
@@ -74,7 +75,7 @@ fn greedy_generation_equals_the_forward_loop() {
     let (got, done) = collect(&engine, greedy(prompt, 10));
     assert_eq!(got, want);
     match done {
-        Event::Done { finish, usage } => {
+        Event::Done { finish, usage, .. } => {
             assert_eq!(finish, FinishReason::Length);
             assert_eq!((usage.prompt_tokens, usage.completion_tokens), (5, 10));
         }

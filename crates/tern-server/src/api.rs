@@ -4,8 +4,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use tern_engine::{EngineConfig, Request, SubmitError};
-use tern_text::{ChatOptions, SamplingParams};
+use tern_engine::{Constraint, EngineConfig, Request, SubmitError};
+use tern_text::{ChatOptions, Reply, SamplingParams, Spec, TOOL_CALL_END_ID};
 
 use crate::Ready;
 
@@ -121,7 +121,7 @@ pub(crate) fn submit_error(e: SubmitError, cfg: &EngineConfig, prompt_param: &st
 }
 
 /// A JSON object request body; `null` fields count as absent.
-pub(crate) struct Body(Map<String, Value>);
+pub(crate) struct Body(pub Map<String, Value>);
 
 impl Body {
     pub fn parse(bytes: &[u8]) -> Result<Body, ApiError> {
@@ -134,11 +134,11 @@ impl Body {
         }
     }
 
-    fn get(&self, key: &str) -> Option<&Value> {
+    pub fn get(&self, key: &str) -> Option<&Value> {
         self.0.get(key).filter(|v| !v.is_null())
     }
 
-    fn num(&self, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    pub fn num(&self, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
         let Some(v) = self.get(key) else { return Ok(None) };
         let x = v.as_f64().ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be a number")))?;
         if !(lo..=hi).contains(&x) {
@@ -150,7 +150,7 @@ impl Body {
     /// An integer in `lo..=hi`. Integers past 64 bits (which JSON parsing reads as floats) and integral floats
     /// saturate to `i64`, so that they are refused or clamped with the others instead of reading as "not an
     /// integer".
-    fn int(&self, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+    pub fn int(&self, key: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
         let Some(v) = self.get(key) else { return Ok(None) };
         let x = v
             .as_i64()
@@ -163,19 +163,19 @@ impl Body {
         Ok(Some(x))
     }
 
-    fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
+    pub fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
         self.get(key)
             .map(|v| v.as_bool().ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be a boolean"))))
             .transpose()
     }
 
-    fn str(&self, key: &str) -> Result<Option<&str>, ApiError> {
+    pub fn str(&self, key: &str) -> Result<Option<&str>, ApiError> {
         self.get(key)
             .map(|v| v.as_str().ok_or_else(|| ApiError::invalid(key, format!("'{key}' must be a string"))))
             .transpose()
     }
 
-    fn object(&self, key: &str) -> Result<Option<Body>, ApiError> {
+    pub fn object(&self, key: &str) -> Result<Option<Body>, ApiError> {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Object(m)) => Ok(Some(Body(m.clone()))),
@@ -186,7 +186,12 @@ impl Body {
 
 /// A validated generation request and how to present its output.
 pub(crate) struct Job {
-    pub request: Request,
+    /// One engine request per choice (`n` per prompt, prompts in order).
+    pub requests: Vec<Request>,
+    /// Per choice: text shown before its output (the prompt, for /v1/completions with `echo`).
+    pub echo: Vec<String>,
+    /// Prompt tokens of the request (each distinct prompt once).
+    pub prompt_tokens: usize,
     pub stream: bool,
     pub include_usage: bool,
     /// `None` for /v1/completions (raw text out).
@@ -196,12 +201,18 @@ pub(crate) struct Job {
 }
 
 /// How chat output is parsed.
+#[derive(Clone)]
 pub(crate) struct ChatOutput {
     /// Tools whose calls are returned as `tool_calls` (others come back as content).
     pub tools: Vec<Value>,
     pub thinking: bool,
-    /// Text already placed at the start of the reply by the prompt (a forced tool call opening).
-    pub prefix: String,
+}
+
+/// What a front end other than OpenAI's chat adds to a chat request.
+#[derive(Default)]
+pub(crate) struct ChatExtras {
+    /// With thinking: force `</think>` after this many reasoning tokens (Anthropic's `budget_tokens`).
+    pub reasoning_budget: Option<usize>,
 }
 
 /// 404 unless `model` is absent or names the served model.
@@ -226,6 +237,95 @@ pub(crate) const MAX_STOP_STRINGS: usize = 16;
 pub(crate) const MAX_STOP_BYTES: usize = 512;
 /// Most alternatives per token (`top_logprobs`, or `logprobs` of /v1/completions).
 pub(crate) const MAX_LOGPROBS: i64 = 20;
+/// Most choices of one prompt (`n`), and choices of one request in all (prompts × n).
+pub(crate) const MAX_N: i64 = 16;
+pub(crate) const MAX_CHOICES: usize = 64;
+
+/// The fields of /v1/chat/completions: those tern implements, those it accepts and ignores (bookkeeping with
+/// no effect on the reply), and those it refuses by name.
+pub(crate) const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "response_format",
+    "grammar",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "reasoning_effort",
+];
+pub(crate) const COMPLETION_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "logit_bias",
+    "echo",
+    "best_of",
+    "response_format",
+    "grammar",
+];
+/// Accepted everywhere and ignored: they describe the request, not the reply.
+const BOOKKEEPING: &[&str] = &["user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "store"];
+/// Known OpenAI fields tern does not implement, with what to use instead.
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("functions", "use 'tools'"),
+    ("function_call", "use 'tool_choice'"),
+    ("suffix", "tern does not fill in the middle"),
+    ("audio", "tern serves text only"),
+    ("modalities", "tern serves text only"),
+    ("prediction", "predicted outputs are not implemented"),
+    ("web_search_options", "tern has no web search"),
+    ("verbosity", "not implemented"),
+];
+
+/// A 400 naming the first field of `b` that is not in `known` (nor bookkeeping).
+pub(crate) fn check_fields(b: &Body, known: &[&str]) -> Result<(), ApiError> {
+    for key in b.0.keys() {
+        if known.contains(&key.as_str()) || BOOKKEEPING.contains(&key.as_str()) {
+            continue;
+        }
+        let msg = match UNSUPPORTED.iter().find(|(k, _)| k == key) {
+            Some((_, why)) => format!("'{key}' is not supported ({why})"),
+            None => format!("unknown field '{}': tern does not implement it", clip(key)),
+        };
+        return Err(ApiError { code: Some("unsupported_field"), ..ApiError::invalid(&clip(key), msg) });
+    }
+    if b.get("store").is_some_and(|s| s != &Value::Bool(false)) {
+        return Err(ApiError::invalid("store", "tern is stateless: 'store' must be false or absent"));
+    }
+    Ok(())
+}
 
 /// The fields both endpoints share, validated before any prompt is rendered or tokenised (a bad field costs
 /// nothing, however long the prompt).
@@ -237,9 +337,11 @@ struct Options {
     logprobs: Option<usize>,
     /// The requested completion length and the field it came from.
     max_tokens: Option<(usize, &'static str)>,
+    n: usize,
+    format: Format,
 }
 
-pub(crate) fn chat_job(r: &Ready, b: &Body) -> Result<Job, ApiError> {
+pub(crate) fn chat_job(r: &Ready, b: &Body, extras: &ChatExtras) -> Result<Job, ApiError> {
     check_model(r, b.str("model")?)?;
     let logprobs = match (b.bool("logprobs")?, b.int("top_logprobs", 0, MAX_LOGPROBS)?) {
         (Some(true), k) => Some(k.unwrap_or(0) as usize),
@@ -250,27 +352,165 @@ pub(crate) fn chat_job(r: &Ready, b: &Body) -> Result<Job, ApiError> {
         Some(_) => max_tokens(b, "max_completion_tokens")?,
         None => max_tokens(b, "max_tokens")?,
     };
-    let opts = options(r, b, logprobs, max)?;
-    let (text, chat) = render_chat(r, b)?;
-    let mut prompt = encode_prompt(r, &text, "messages")?;
-    prompt.extend(encode(r, &chat.prefix)?);
-    job(r, opts, prompt, "messages", Some(chat))
+    let mut opts = options(r, b, logprobs, max)?;
+    let (text, chat, tools) = render_chat(r, b)?;
+    let mut stop_ids = r.stop_ids.clone();
+    if let Some(Forced { parallel: false, forced: false, .. }) = &tools {
+        // parallel_tool_calls false: the reply ends with the first call.
+        stop_ids.push(TOOL_CALL_END_ID);
+    }
+    let spec = match (tools, &opts.format) {
+        (Some(Forced { tools, parallel, forced: true }), Format::Text) => Some(Owned::Tools(tools, parallel)),
+        (Some(Forced { forced: true, .. }), _) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a forced tool call ('required' or a named function) cannot be combined with a response_format or \
+                 grammar",
+            ))
+        }
+        _ => opts.format.spec(),
+    };
+    let reply =
+        Reply { thinking: chat.thinking, reasoning_budget: extras.reasoning_budget, stop_ids: stop_ids.clone() };
+    let needs = spec.is_some() || (chat.thinking && extras.reasoning_budget.is_some());
+    let constraint = if needs { Some(constraint(r, spec.as_ref(), &reply)?) } else { None };
+    opts.format = Format::Text;
+    let prompt = encode_prompt(r, &text, "messages")?;
+    job(r, opts, vec![(prompt, String::new())], "messages", Some(chat), constraint, stop_ids)
 }
 
 pub(crate) fn completion_job(r: &Ready, b: &Body) -> Result<Job, ApiError> {
     check_model(r, b.str("model")?)?;
-    if b.bool("echo")? == Some(true) {
-        return Err(ApiError::invalid("echo", "'echo' is not supported"));
-    }
     b.int("best_of", 1, 1).map_err(|_| ApiError::invalid("best_of", "only 'best_of': 1 is supported"))?;
+    let echo = b.bool("echo")?.unwrap_or(false);
     let logprobs = b.int("logprobs", 0, MAX_LOGPROBS)?.map(|k| k as usize);
+    if echo && logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "echo",
+            "'echo' with 'logprobs' is not supported (tern does not return log-probabilities of the prompt)",
+        ));
+    }
     let opts = options(r, b, logprobs, max_tokens(b, "max_tokens")?)?;
-    let prompt = completion_prompt(r, b)?;
-    job(r, opts, prompt, "prompt", None)
+    let reply = Reply { thinking: false, reasoning_budget: None, stop_ids: r.stop_ids.clone() };
+    let constraint = match opts.format.spec() {
+        Some(spec) => Some(constraint(r, Some(&spec), &reply)?),
+        None => None,
+    };
+    let prompts = completion_prompts(r, b)?
+        .into_iter()
+        .map(|(ids, text)| {
+            let shown = match (echo, text) {
+                (false, _) => String::new(),
+                (true, Some(t)) => t,
+                (true, None) => r.tokenizer.decode(&ids).map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+            };
+            Ok((ids, shown))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let stop_ids = r.stop_ids.clone();
+    job(r, opts, prompts, "prompt", None, constraint, stop_ids)
 }
 
 fn max_tokens(b: &Body, key: &'static str) -> Result<Option<(usize, &'static str)>, ApiError> {
     Ok(b.int(key, 1, i64::MAX)?.map(|m| (usize::try_from(m).unwrap_or(usize::MAX), key)))
+}
+
+/// What the reply must follow (`response_format`, `grammar`).
+#[derive(Clone, Debug)]
+pub(crate) enum Format {
+    Text,
+    JsonObject,
+    JsonSchema { schema: Value, strict: bool },
+    Lark(String),
+}
+
+/// A constraint spec with owned parts.
+enum Owned {
+    Format(Format),
+    Tools(Vec<Value>, bool),
+}
+
+impl Format {
+    fn spec(&self) -> Option<Owned> {
+        (!matches!(self, Format::Text)).then(|| Owned::Format(self.clone()))
+    }
+}
+
+/// `response_format` (`text`, `json_object`, `json_schema` with `schema` and `strict`, `grammar` with a Lark
+/// `grammar`) and the top-level `grammar` (Lark).
+fn format(b: &Body) -> Result<Format, ApiError> {
+    let bad = |m: String| ApiError::invalid("response_format", m);
+    let mut f = match b.object("response_format")? {
+        None => Format::Text,
+        Some(f) => match f.str("type")? {
+            None | Some("text") => Format::Text,
+            Some("json_object") => Format::JsonObject,
+            Some("json_schema") => {
+                let js = f.object("json_schema")?.ok_or_else(|| {
+                    bad("response_format 'json_schema' needs \"json_schema\": {\"name\", \"schema\", \"strict\"}"
+                        .into())
+                })?;
+                let schema = match js.get("schema") {
+                    Some(s @ (Value::Object(_) | Value::Bool(_))) => s.clone(),
+                    None => Value::Bool(true),
+                    Some(_) => return Err(bad("json_schema.schema must be a JSON schema (an object)".into())),
+                };
+                Format::JsonSchema { schema, strict: js.bool("strict")?.unwrap_or(false) }
+            }
+            Some("grammar") => match f.str("grammar")? {
+                Some(g) => Format::Lark(g.to_owned()),
+                None => return Err(bad("response_format 'grammar' needs a \"grammar\" (Lark)".into())),
+            },
+            Some(t) => {
+                return Err(bad(format!(
+                    "response_format type '{}' is not supported; use text, json_object, json_schema or grammar",
+                    clip(t)
+                )))
+            }
+        },
+    };
+    if let Some(g) = b.str("grammar")? {
+        if !matches!(f, Format::Text) {
+            return Err(ApiError::invalid("grammar", "give either 'grammar' or a response_format, not both"));
+        }
+        f = Format::Lark(g.to_owned());
+    }
+    Ok(f)
+}
+
+/// The compiled constraint of a request (400 for a schema or grammar that cannot be used).
+fn constraint(r: &Ready, spec: Option<&Owned>, reply: &Reply) -> Result<Constraint, ApiError> {
+    let g = r.grammars.as_ref().map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "constraints_unavailable",
+            format!("constrained decoding is unavailable on this server: {e}"),
+        )
+    })?;
+    let (spec, param) = match spec {
+        None => (Spec::Free, "chat_template_kwargs"),
+        Some(Owned::Tools(tools, parallel)) => (Spec::ToolCalls { tools, parallel: *parallel }, "tools"),
+        Some(Owned::Format(f)) => match f {
+            Format::Text => (Spec::Free, "response_format"),
+            Format::JsonObject => (Spec::JsonObject, "response_format"),
+            Format::JsonSchema { schema, strict } => (Spec::JsonSchema { schema, strict: *strict }, "response_format"),
+            Format::Lark(g) => (Spec::Lark(g), "grammar"),
+        },
+    };
+    let c = g.compile(spec, reply).map_err(|e| ApiError {
+        code: Some("invalid_grammar"),
+        ..ApiError::invalid(param, format!("cannot use it: {}", clip_long(&e.0)))
+    })?;
+    Ok(Constraint::new(c))
+}
+
+/// A grammar error, cut to a readable length.
+fn clip_long(s: &str) -> String {
+    match s.char_indices().nth(600) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_owned(),
+    }
 }
 
 fn options(
@@ -279,25 +519,22 @@ fn options(
     logprobs: Option<usize>,
     max_tokens: Option<(usize, &'static str)>,
 ) -> Result<Options, ApiError> {
-    b.int("n", 1, 1).map_err(|_| ApiError::invalid("n", "only 'n': 1 is supported"))?;
-    b.str("user")?;
-    if let Some(f) = b.object("response_format")? {
-        match f.str("type")? {
-            None | Some("text") => {}
-            Some(t) => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!("response_format type '{}' is not supported; only 'text' is", clip(t)),
-                ))
-            }
-        }
-    }
+    let n = b.int("n", 1, MAX_N)?.unwrap_or(1) as usize;
     let stream = b.bool("stream")?.unwrap_or(false);
     let include_usage = match b.object("stream_options")? {
         Some(o) => o.bool("include_usage")?.unwrap_or(false),
         None => false,
     };
-    Ok(Options { stream, include_usage, sampling: sampling(r, b)?, stop_strings: stop(b)?, logprobs, max_tokens })
+    Ok(Options {
+        stream,
+        include_usage,
+        sampling: sampling(r, b)?,
+        stop_strings: stop(b)?,
+        logprobs,
+        max_tokens,
+        n,
+        format: format(b)?,
+    })
 }
 
 /// The context-length error, naming the field to shorten: the prompt's if the prompt alone leaves no room for a
@@ -306,45 +543,79 @@ fn too_long(param: &str, message: String) -> ApiError {
     ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(param, message) }
 }
 
-/// The request, once its prompt is known to fit the context with room for the reply.
-fn job(r: &Ready, o: Options, prompt: Vec<u32>, prompt_param: &str, chat: Option<ChatOutput>) -> Result<Job, ApiError> {
-    let (ctx, n) = (r.engine.config.ctx_size, prompt.len());
-    if n == 0 {
-        return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
-    }
-    if n >= ctx {
-        return Err(too_long(
-            prompt_param,
-            format!(
-                "this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens, which leaves \
-                 no room for the completion"
-            ),
+/// The requests, once each prompt is known to fit the context with room for the reply: `n` per prompt.
+fn job(
+    r: &Ready,
+    o: Options,
+    prompts: Vec<(Vec<u32>, String)>,
+    prompt_param: &str,
+    chat: Option<ChatOutput>,
+    constraint: Option<Constraint>,
+    stop_ids: Vec<u32>,
+) -> Result<Job, ApiError> {
+    let ctx = r.engine.config.ctx_size;
+    if prompts.len() * o.n > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            "n",
+            format!("at most {MAX_CHOICES} choices per request (prompts × n), got {}", prompts.len() * o.n),
         ));
     }
-    // Without max_tokens the reply may fill the context.
-    let max_tokens = match o.max_tokens {
-        None => ctx - n,
-        Some((m, param)) if n.saturating_add(m) > ctx => {
-            return Err(too_long(
-                param,
-                format!(
-                    "this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens and {m} \
-                     were requested for the completion ({} in all)",
-                    n.saturating_add(m)
-                ),
-            ))
+    let (mut requests, mut echo, mut prompt_tokens) = (Vec::new(), Vec::new(), 0);
+    for (prompt, shown) in prompts {
+        let n = prompt.len();
+        if n == 0 {
+            return Err(ApiError::invalid(prompt_param, "the prompt is empty"));
         }
-        Some((m, _)) => m,
-    };
-    let request = Request {
-        prompt,
-        sampling: o.sampling,
-        max_tokens,
-        stop_strings: o.stop_strings,
-        stop_ids: r.stop_ids.clone(),
-        logprobs: o.logprobs,
-    };
-    Ok(Job { request, stream: o.stream, include_usage: o.include_usage, chat, prompt_param: prompt_param.into() })
+        if n >= ctx {
+            return Err(too_long(
+                prompt_param,
+                format!(
+                    "this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens, which \
+                     leaves no room for the completion"
+                ),
+            ));
+        }
+        // Without max_tokens the reply may fill the context.
+        let max_tokens = match o.max_tokens {
+            None => ctx - n,
+            Some((m, param)) if n.saturating_add(m) > ctx => {
+                return Err(too_long(
+                    param,
+                    format!(
+                        "this model's maximum context length is {ctx} tokens, but the prompt has {n} tokens and {m} \
+                         were requested for the completion ({} in all)",
+                        n.saturating_add(m)
+                    ),
+                ))
+            }
+            Some((m, _)) => m,
+        };
+        prompt_tokens += n;
+        for i in 0..o.n {
+            let mut sampling = o.sampling.clone();
+            // Several choices of one seeded request: different draws, the same for the same seed.
+            sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
+            requests.push(Request {
+                prompt: prompt.clone(),
+                sampling,
+                max_tokens,
+                stop_strings: o.stop_strings.clone(),
+                stop_ids: stop_ids.clone(),
+                logprobs: o.logprobs,
+                constraint: constraint.clone(),
+            });
+            echo.push(shown.clone());
+        }
+    }
+    Ok(Job {
+        requests,
+        echo,
+        prompt_tokens,
+        stream: o.stream,
+        include_usage: o.include_usage,
+        chat,
+        prompt_param: prompt_param.into(),
+    })
 }
 
 fn sampling(r: &Ready, b: &Body) -> Result<SamplingParams, ApiError> {
@@ -414,7 +685,7 @@ fn stop(b: &Body) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
-fn encode(r: &Ready, text: &str) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn encode(r: &Ready, text: &str) -> Result<Vec<u32>, ApiError> {
     r.tokenizer.encode(text, false).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
 
@@ -436,48 +707,68 @@ fn encode_prompt(r: &Ready, text: &str, param: &str) -> Result<Vec<u32>, ApiErro
     encode(r, text)
 }
 
-/// The prompt of /v1/completions: a string, a list of token ids, or a one-element list of either.
-fn completion_prompt(r: &Ready, b: &Body) -> Result<Vec<u32>, ApiError> {
+/// The prompts of /v1/completions with their text when given as text: a string, a list of token ids, or a list
+/// of either.
+/// A prompt's ids, and its text when it was given as text.
+type Prompt = (Vec<u32>, Option<String>);
+
+fn completion_prompts(r: &Ready, b: &Body) -> Result<Vec<Prompt>, ApiError> {
     let bad = |m: &str| ApiError::invalid("prompt", m);
-    let mut p = b.get("prompt").ok_or_else(|| bad("'prompt' is required"))?;
-    if let Value::Array(a) = p {
-        if a.len() == 1 && (a[0].is_string() || a[0].is_array()) {
-            p = &a[0];
-        } else if a.iter().any(|x| !x.is_number()) {
-            return Err(bad("'prompt' must be a string or a list of token ids; only one prompt per request"));
-        }
-    }
-    match p {
-        Value::String(s) => encode_prompt(r, s, "prompt"),
-        Value::Array(a) => a
-            .iter()
+    let shape = "'prompt' must be a string, a list of token ids, or a list of strings or of token-id lists";
+    let p = b.get("prompt").ok_or_else(|| bad("'prompt' is required"))?;
+    let ids = |a: &[Value]| -> Result<Vec<u32>, ApiError> {
+        a.iter()
             .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| bad("token ids must be integers")))
-            .collect(),
-        _ => Err(bad("'prompt' must be a string or a list of token ids")),
+            .collect()
+    };
+    let one = |p: &Value| -> Result<Prompt, ApiError> {
+        match p {
+            Value::String(s) => Ok((encode_prompt(r, s, "prompt")?, Some(s.clone()))),
+            Value::Array(a) => Ok((ids(a)?, None)),
+            _ => Err(bad(shape)),
+        }
+    };
+    match p {
+        Value::Array(a) if a.is_empty() => Err(bad("'prompt' is an empty list")),
+        Value::Array(a) if a.iter().all(Value::is_number) => Ok(vec![one(p)?]),
+        Value::Array(a) if a.len() <= MAX_CHOICES && a.iter().all(|x| x.is_string() || x.is_array()) => {
+            a.iter().map(one).collect()
+        }
+        Value::Array(a) if a.len() > MAX_CHOICES => {
+            Err(bad(&format!("at most {MAX_CHOICES} prompts per request, got {}", a.len())))
+        }
+        Value::String(_) => Ok(vec![one(p)?]),
+        _ => Err(bad(shape)),
     }
 }
 
+/// A forced or restricted tool call: which tools, whether several calls may come, whether one must.
+struct Forced {
+    tools: Vec<Value>,
+    parallel: bool,
+    forced: bool,
+}
+
 /// The chat prompt text and how to parse the reply. tool_choice: `none` offers no tools (calls come back as
-/// content), `auto` offers all, `required` offers all, a named function offers only that one; with thinking
-/// off, `required` and a named function also open the reply with `<tool_call>\n` (and `<function=NAME>\n`),
-/// so the model must call a tool.
-fn render_chat(r: &Ready, b: &Body) -> Result<(String, ChatOutput), ApiError> {
+/// content), `auto` offers all, `required` offers all, a named function offers only that one; `required` and a
+/// named function constrain the reply to calls (with thinking: after `</think>`) whose arguments follow the tool's
+/// parameters. `parallel_tool_calls: false` allows one call. The third value says how calls are restricted.
+fn render_chat(r: &Ready, b: &Body) -> Result<(String, ChatOutput, Option<Forced>), ApiError> {
     let messages = messages(b)?;
     let mut tools = tools(b)?;
     let names: Vec<String> = tools.iter().map(|t| t["function"]["name"].as_str().unwrap_or_default().into()).collect();
     let bad_choice = || {
         ApiError::invalid("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
     };
-    let mut prefix = String::new();
     let forced = match b.get("tool_choice") {
-        None => None,
+        None => false,
         Some(Value::String(s)) => match s.as_str() {
-            "auto" => None,
+            "auto" => false,
             "none" => {
                 tools.clear();
-                None
+                false
             }
-            "required" => Some(None),
+            "required" => true,
             _ => return Err(bad_choice()),
         },
         Some(Value::Object(o)) => {
@@ -489,28 +780,32 @@ fn render_chat(r: &Ready, b: &Body) -> Result<(String, ChatOutput), ApiError> {
                 ));
             }
             tools.retain(|t| t["function"]["name"] == name);
-            Some(Some(name.to_owned()))
+            true
         }
         Some(_) => return Err(bad_choice()),
     };
-    if forced.is_some() && tools.is_empty() {
+    if forced && tools.is_empty() {
         return Err(ApiError::invalid("tool_choice", "tool_choice requires a tool call but no 'tools' are given"));
     }
+    let parallel = b.bool("parallel_tool_calls")?.unwrap_or(true);
     let mut extra = match b.object("chat_template_kwargs")? {
         Some(k) => k.0,
         None => Map::new(),
     };
-    let thinking = match extra.remove("enable_thinking") {
+    let mut thinking = match extra.remove("enable_thinking") {
         None | Some(Value::Null) => None,
         Some(Value::Bool(t)) => Some(t),
         Some(_) => return Err(ApiError::invalid("chat_template_kwargs", "'enable_thinking' must be a boolean")),
     };
-    if thinking == Some(false) {
-        if let Some(name) = forced {
-            prefix = "<tool_call>\n".into();
-            if let Some(name) = name {
-                prefix.push_str(&format!("<function={name}>\n"));
-            }
+    match b.str("reasoning_effort")? {
+        None => {}
+        Some("none" | "minimal") => thinking = thinking.or(Some(false)),
+        Some("low" | "medium" | "high") => thinking = thinking.or(Some(true)),
+        Some(e) => {
+            return Err(ApiError::invalid(
+                "reasoning_effort",
+                format!("'reasoning_effort' must be none, minimal, low, medium or high, got '{}'", clip(e)),
+            ))
         }
     }
     let options = ChatOptions {
@@ -520,7 +815,9 @@ fn render_chat(r: &Ready, b: &Body) -> Result<(String, ChatOutput), ApiError> {
         extra,
     };
     let text = r.template.render(&messages, &options).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-    Ok((text, ChatOutput { tools, thinking: thinking != Some(false), prefix }))
+    let restricted =
+        (!tools.is_empty() && (forced || !parallel)).then(|| Forced { tools: tools.clone(), parallel, forced });
+    Ok((text, ChatOutput { tools, thinking: thinking != Some(false) }, restricted))
 }
 
 fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
@@ -596,8 +893,8 @@ fn tools(b: &Body) -> Result<Vec<Value>, ApiError> {
 /// `{"prompt": "..."}` or a chat request's `{"messages": [...], ...}` (rendered as for generation).
 pub(crate) fn tokenize(r: &Ready, b: &Body) -> Result<Vec<u32>, ApiError> {
     if b.get("messages").is_some() {
-        let (text, chat) = render_chat(r, b)?;
-        return encode(r, &(text + &chat.prefix));
+        let (text, _, _) = render_chat(r, b)?;
+        return encode(r, &text);
     }
     let text = b.str("prompt")?.ok_or_else(|| ApiError::invalid("prompt", "'prompt' or 'messages' is required"))?;
     encode(r, text)

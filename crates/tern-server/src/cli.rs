@@ -64,6 +64,10 @@ pub struct Args {
     /// Requests rendered and tokenised at once, on threads of their own (default: half the cores).
     #[arg(long)]
     pub tokenizer_threads: Option<usize>,
+    /// Let web pages of these origins call the API (CORS): comma-separated `scheme://host[:port]`, or `*` for
+    /// any. Off by default (a page of another origin cannot read the replies); the page at `/` needs none.
+    #[arg(long, value_delimiter = ',')]
+    pub cors: Vec<String>,
 }
 
 /// A number of seconds (fractions allowed) as a duration.
@@ -94,6 +98,7 @@ pub fn main(
         keep_alive_timeout: args.keep_alive_timeout,
         shutdown_grace: args.shutdown_grace,
         tokenizer_threads: args.tokenizer_threads.unwrap_or_else(crate::default_tokenizer_threads),
+        cors: args.cors.into_iter().map(|o| o.trim().to_owned()).filter(|o| !o.is_empty()).collect(),
     };
     opts.check()?;
     let (model, backend, ctx) = (args.model, args.backend, args.ctx_size);

@@ -1,10 +1,18 @@
-//! tern's OpenAI-compatible HTTP server (axum on hyper and tokio) over the engine's scheduler.
+//! tern's OpenAI- and Anthropic-compatible HTTP server (axum on hyper and tokio) over the engine's scheduler.
 //!
-//! Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{id}]`, `GET /health`
-//! (503 while the model loads, once the engine has stopped, and during shutdown), `GET /metrics` (Prometheus
-//! text; behind the API key unless `--metrics-public`), `POST /tokenize`, `POST /detokenize`. Every error is
-//! `{"error": {"message", "type", "param", "code"}}`; a panicking handler answers 500. POST bodies must be
-//! `application/json` (so that a web page cannot post to a local server with a CORS "simple" request).
+//! Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses` (OpenAI's Responses API,
+//! stateless), `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's Messages API),
+//! `GET /v1/models[/{id}]`, `GET /health` (503 while the model loads, once the engine has stopped, and during
+//! shutdown), `GET /metrics` (Prometheus text; behind the API key unless `--metrics-public`), `POST /tokenize`,
+//! `POST /detokenize`, and the chat page at `GET /`. Every error is `{"error": {"message", "type", "param",
+//! "code"}}` (Anthropic's `{"type": "error", "error": {"type", "message"}}` under /v1/messages); a panicking
+//! handler answers 500. POST bodies must be `application/json` (so that a web page cannot post to a local server
+//! with a CORS "simple" request); `--cors ORIGINS` lets pages of other origins call the API (preflights
+//! answered, off by default). The API key is read from `Authorization: Bearer KEY` or `x-api-key: KEY`.
+//!
+//! Structured output: `response_format` (`json_object`, `json_schema`), a Lark `grammar`, and `tool_choice`
+//! `required` / named constrain decoding with llguidance masks (see tern-text's `constraint` and the engine's
+//! constrained decoding).
 //!
 //! No request takes the server down: connections are capped and timed (`conn`), bodies are read within a
 //! deadline, request preparation runs on a bounded blocking pool (`prep`), every sampling field is bounded
@@ -16,12 +24,16 @@
 //! response (or SSE body) owns that channel's receiver, so a client that goes away drops it, the thread's
 //! next send fails, the thread drops the engine receiver and the engine cancels the request.
 
+mod anthropic;
 mod api;
 pub mod cli;
 mod conn;
 mod generate;
+mod openai;
+mod page;
 mod prep;
 mod reqlog;
+mod responses;
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -39,7 +51,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tern_engine::{Engine, EngineConfig, Model};
-use tern_text::{ChatTemplate, SamplingParams, Tokenizer};
+use tern_text::{ChatTemplate, Grammars, SamplingParams, Tokenizer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower_http::catch_panic::CatchPanicLayer;
@@ -78,6 +90,8 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// Requests rendered and tokenised at once (on blocking threads).
     pub tokenizer_threads: usize,
+    /// Origins whose pages may call the API (CORS); `*` for any; empty: none (no CORS headers).
+    pub cors: Vec<String>,
 }
 
 impl Default for ServeOptions {
@@ -98,6 +112,7 @@ impl Default for ServeOptions {
             keep_alive_timeout: Duration::from_secs(5),
             shutdown_grace: Duration::from_secs(25),
             tokenizer_threads: default_tokenizer_threads(),
+            cors: Vec::new(),
         }
     }
 }
@@ -136,6 +151,11 @@ impl ServeOptions {
         for (flag, v) in timeouts {
             if v.is_zero() {
                 bail!("{flag} must be more than 0 seconds");
+            }
+        }
+        for o in &self.cors {
+            if o != "*" && (axum::http::HeaderValue::from_str(o).is_err() || !o.contains("://")) {
+                bail!("--cors: '{o}' is not an origin (scheme://host[:port], or * for any)");
             }
         }
         Ok(())
@@ -280,6 +300,10 @@ struct Ready {
     template: Arc<ChatTemplate>,
     sampling: SamplingParams,
     stop_ids: Vec<u32>,
+    /// Constrained decoding's compiler, or why there is none.
+    grammars: Result<Arc<Grammars>, String>,
+    /// The backend's name ("cpu", "cuda"), in the system fingerprint.
+    engine_backend: String,
 }
 
 impl Ready {
@@ -291,7 +315,15 @@ impl Ready {
             step_tokens: opts.step_tokens,
             ..EngineConfig::default()
         };
+        let t0 = Instant::now();
+        let grammars = Grammars::from_dir(&model.dir).map(Arc::new).map_err(|e| e.to_string());
+        match &grammars {
+            Ok(_) => eprintln!("tern: constrained decoding ready in {:.1}s", t0.elapsed().as_secs_f64()),
+            Err(e) => eprintln!("tern: constrained decoding unavailable: {e}"),
+        }
         Ready {
+            grammars,
+            engine_backend: model.backend.name().to_owned(),
             engine: Engine::start(model.backend, model.tokenizer.clone(), config),
             name: model.name,
             tokenizer: model.tokenizer,
@@ -329,9 +361,14 @@ impl AppState {
 
 fn router(state: Shared) -> Router {
     let limit = state.opts.max_body_bytes;
-    Router::new()
+    let cors = cors_layer(&state.opts.cors);
+    let app = Router::new()
+        .route("/", get(page::index))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize))
@@ -355,24 +392,50 @@ fn router(state: Shared) -> Router {
         .layer(CatchPanicLayer::custom(|_| {
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "internal server error")
                 .into_response()
-        }))
-        .with_state(state)
+        }));
+    // Outermost: a preflight is answered before auth (browsers send no key with it), and errors carry the headers.
+    match cors {
+        Some(cors) => app.layer(cors).with_state(state),
+        None => app.with_state(state),
+    }
+}
+
+/// CORS for `--cors` origins (`*`: any); `None` without any.
+fn cors_layer(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().filter_map(|o| axum::http::HeaderValue::from_str(o).ok()))
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+            // Authorization is never covered by a `*`: the headers a preflight asks for are allowed by name.
+            .allow_headers(AllowHeaders::mirror_request())
+            .max_age(Duration::from_secs(600)),
+    )
 }
 
 /// Every route needs the key when one is set, but /health (and /metrics with `--metrics-public`).
 async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
     let public = match req.uri().path() {
-        "/health" => true,
+        "/health" | "/" => true,
         "/metrics" => st.opts.metrics_public,
         _ => false,
     };
     if let (Some(key), false) = (&st.opts.api_key, public) {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
+        let bearer = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| {
             let (scheme, token) = v.trim().split_once(' ')?;
             scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
         });
-        if !given.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
-            let msg = "invalid or missing API key (Authorization: Bearer ...)";
+        let x_api_key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+        if ![bearer, x_api_key].iter().flatten().any(|g| same_key(g.as_bytes(), key.as_bytes())) {
+            let msg = "invalid or missing API key (Authorization: Bearer ... or x-api-key: ...)";
             return ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "invalid_api_key", msg)
                 .into_response();
         }
@@ -442,8 +505,17 @@ fn body_bytes(raw: RawBody) -> Result<Bytes, ApiError> {
     })
 }
 
+/// The generation endpoints.
+#[derive(Clone, Copy)]
+enum Endpoint {
+    Chat,
+    Completions,
+    Responses,
+    Messages,
+}
+
 async fn chat(State(st): State<Shared>, Extension(info): Extension<Arc<RequestInfo>>, body: RawBody) -> Response {
-    generation(st, info, body, true).await
+    generation(st, info, body, Endpoint::Chat).await
 }
 
 async fn completions(
@@ -451,30 +523,71 @@ async fn completions(
     Extension(info): Extension<Arc<RequestInfo>>,
     body: RawBody,
 ) -> Response {
-    generation(st, info, body, false).await
+    generation(st, info, body, Endpoint::Completions).await
+}
+
+async fn responses(State(st): State<Shared>, Extension(info): Extension<Arc<RequestInfo>>, body: RawBody) -> Response {
+    generation(st, info, body, Endpoint::Responses).await
+}
+
+async fn messages(State(st): State<Shared>, Extension(info): Extension<Arc<RequestInfo>>, body: RawBody) -> Response {
+    generation(st, info, body, Endpoint::Messages).await
+}
+
+/// The job of a request to `ep`, and how to write its reply.
+fn prepare(
+    ready: &Ready,
+    body: &[u8],
+    ep: Endpoint,
+) -> Result<(api::Job, Box<dyn generate::Writer>, &'static str), ApiError> {
+    let b = api::Body::parse(body)?;
+    Ok(match ep {
+        Endpoint::Chat => {
+            api::check_fields(&b, api::CHAT_FIELDS)?;
+            let job = api::chat_job(ready, &b, &api::ChatExtras::default())?;
+            (job, Box::new(openai::ChatWriter::default()), "chatcmpl-")
+        }
+        Endpoint::Completions => {
+            api::check_fields(&b, api::COMPLETION_FIELDS)?;
+            (api::completion_job(ready, &b)?, Box::new(openai::CompletionWriter::default()), "cmpl-")
+        }
+        Endpoint::Responses => {
+            api::check_model(ready, b.str("model")?)?;
+            let chat = responses::to_chat(&b)?;
+            let job = api::chat_job(ready, &chat, &api::ChatExtras::default())?;
+            (job, Box::new(responses::ResponsesWriter::new(responses::Echo::of(&b))), "resp_")
+        }
+        Endpoint::Messages => {
+            let (chat, extras) = anthropic::to_chat(&b, false)?;
+            (api::chat_job(ready, &chat, &extras)?, Box::new(anthropic::MessagesWriter::default()), "msg_")
+        }
+    })
 }
 
 /// Validate, render and tokenise on the pool, then generate.
-async fn generation(st: Shared, info: Arc<RequestInfo>, body: RawBody, chat: bool) -> Response {
+async fn generation(st: Shared, info: Arc<RequestInfo>, body: RawBody, ep: Endpoint) -> Response {
     let r = async {
         st.accepting()?;
         st.ready()?;
         let body = body_bytes(body)?;
-        let job = st
-            .prep
-            .run(&st, body.len(), move |ready| {
-                let b = api::Body::parse(&body)?;
-                if chat {
-                    api::chat_job(ready, &b)
-                } else {
-                    api::completion_job(ready, &b)
-                }
-            })
-            .await?;
+        let (job, writer, prefix) = st.prep.run(&st, body.len(), move |ready| prepare(ready, &body, ep)).await?;
         let ready = st.ready()?;
-        generate::respond(&st, ready, job, info).await
+        generate::respond(&st, ready, job, info, writer, prefix).await
     };
     r.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens, as generation would render it.
+async fn count_tokens(State(st): State<Shared>, body: RawBody) -> Result<Json<Value>, ApiError> {
+    let body = body_bytes(body)?;
+    let n = st
+        .prep
+        .run(&st, body.len(), move |ready| {
+            let (chat, _) = anthropic::to_chat(&api::Body::parse(&body)?, true)?;
+            api::tokenize(ready, &chat).map(|t| t.len())
+        })
+        .await?;
+    Ok(Json(json!({"input_tokens": n})))
 }
 
 fn model_card(st: &AppState, name: &str) -> Value {
@@ -561,6 +674,19 @@ async fn metrics(State(st): State<Shared>) -> Response {
         let tps = if decode_s > 0.0 { (completion - ttft_n).max(0.0) / decode_s } else { 0.0 };
         metric("decode_tokens_per_second", "gauge", "tokens per second of one sequence after its first", tps);
         metric("queue_depth", "gauge", "requests waiting for a slot", s.waiting.load(Ordering::Relaxed) as f64);
+        metric("constraint_masks_total", "counter", "token masks computed for constrained requests", get(&s.masks));
+        metric(
+            "constraint_mask_seconds_total",
+            "counter",
+            "time the mask workers spent computing masks",
+            get(&s.mask_us) / 1e6,
+        );
+        metric(
+            "constraint_mask_wait_seconds_total",
+            "counter",
+            "time steps waited for a mask (the part not hidden behind the forward pass)",
+            get(&s.mask_wait_us) / 1e6,
+        );
         metric("requests_running", "gauge", "requests being decoded", s.active.load(Ordering::Relaxed) as f64);
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()

@@ -63,13 +63,17 @@ pub(crate) async fn handle(
         st: st.clone(),
         _busy: busy,
     };
+    let anthropic = req.uri().path().starts_with("/v1/messages");
     let mut req = req.map(Body::new);
     req.extensions_mut().insert(info);
     let res = match app.call(req).await {
         Ok(res) => res,
         Err(never) => match never {},
     };
-    let res = openai_shaped(res).await;
+    let mut res = openai_shaped(res).await;
+    if anthropic {
+        res = anthropic_shaped(res).await;
+    }
     line.status = Some(res.status());
     line.error = res.extensions().get::<ErrorTag>().map(|t| t.0.clone());
     let (parts, body) = res.into_parts();
@@ -93,6 +97,22 @@ async fn openai_shaped(res: Response) -> Response {
     };
     let kind = if status.is_server_error() { "server_error" } else { "invalid_request_error" };
     ApiError::new(status, kind, "http_error", text).into_response()
+}
+
+/// An error response under /v1/messages in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`);
+/// headers (CORS, Retry-After) are kept.
+async fn anthropic_shaped(res: Response) -> Response {
+    let status = res.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return res;
+    }
+    let (mut parts, body) = res.into_parts();
+    let bytes = axum::body::to_bytes(body, 1 << 16).await.unwrap_or_default();
+    let openai: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    let body = crate::anthropic::reshape_error(status.as_u16(), &openai).to_string();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static("application/json"));
+    Response::from_parts(parts, Body::from(body))
 }
 
 /// The log line of one request, written when dropped.

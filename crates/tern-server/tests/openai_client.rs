@@ -35,7 +35,7 @@ fn openai_client_reasoning_and_tool_calls() {
     };
     let think = scripted(&format!("plan\n</think>\n\n{call}")); // the prompt opened "<think>\n"
     let content = scripted(&format!("Sunny in Paris.\n\n{call}"));
-    let forced = scripted("<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>");
+    let forced = scripted(call);
     common::python(&[
         "--suite",
         "scripted",

@@ -5,8 +5,10 @@
 //! * [`sampler`] — logits → next token (temperature, top-k/p, min-p, penalties, bias, seed).
 //! * [`detok`] — incremental detokenizer with UTF-8 hold-back, stop ids/strings and max tokens.
 //! * [`parser`] — streaming split of model output into reasoning, content and tool calls.
+//! * [`constraint`] — constrained decoding (JSON schema, Lark grammar, forced tool calls) with llguidance.
 
 pub mod chat;
+pub mod constraint;
 pub mod detok;
 pub mod parser;
 pub mod sampler;
@@ -15,6 +17,7 @@ pub mod tokenizer;
 use std::path::PathBuf;
 
 pub use chat::{ChatOptions, ChatTemplate};
+pub use constraint::{Constrained, GrammarError, Grammars, Reply, Spec};
 pub use detok::{DetokConfig, Detokenizer, Finish, Step};
 pub use parser::{OutputParser, ParseEvent, ToolCall};
 pub use sampler::{Sampler, SamplingParams};

@@ -17,15 +17,15 @@ fn parse(chunks: &[&str], thinking: bool) -> (String, String, Vec<ToolCall>) {
     let mut parser = OutputParser::new(&tools(), thinking);
     let mut events: Vec<ParseEvent> = chunks.iter().flat_map(|c| parser.feed(c)).collect();
     events.extend(parser.finish());
-    let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
-    for event in events {
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for event in &events {
         match event {
-            ParseEvent::Reasoning(t) => reasoning += &t,
-            ParseEvent::Content(t) => content += &t,
-            ParseEvent::ToolCall(c) => calls.push(c),
+            ParseEvent::Reasoning(t) => reasoning += t,
+            ParseEvent::Content(t) => content += t,
+            _ => {}
         }
     }
-    (reasoning, content, calls)
+    (reasoning, content, ToolCall::collect(&events))
 }
 
 const TOOL_OUTPUT: &str = "Need weather.\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=filters>\n{\"a\": [1, 2]}\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n<parameter=extra>\n42\n</parameter>\n</function>\n</tool_call>";
@@ -131,4 +131,39 @@ proptest! {
         let chars: Vec<&str> = chars.iter().map(String::as_str).collect();
         prop_assert_eq!(&parse(&chars, thinking), &whole);
     }
+}
+
+/// Streamed char by char, a call gives its name first, then its arguments in pieces (a string parameter's text
+/// as it arrives), then its end; the pieces make the same arguments as the whole call.
+#[test]
+fn tool_call_arguments_stream_in_pieces() {
+    let text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York City\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+    let mut parser = OutputParser::new(&tools(), false).only_offered();
+    let mut events = Vec::new();
+    for c in text.chars() {
+        events.extend(parser.feed(&c.to_string()));
+    }
+    events.extend(parser.finish());
+    assert_eq!(events[0], ParseEvent::ToolCallStart { name: "get_weather".into() });
+    assert_eq!(events.last(), Some(&ParseEvent::ToolCallEnd));
+    let pieces: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match e {
+            ParseEvent::ToolCallArgs(a) => Some(a.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert!(pieces.len() > 8, "the city streams as it comes: {pieces:?}");
+    assert_eq!(pieces.concat(), r#"{"city":"New York City","days":3}"#);
+    // A call to a function that was not offered is the text the model wrote.
+    let mut parser = OutputParser::new(&tools(), false).only_offered();
+    let mut events =
+        parser.feed("<tool_call>\n<function=other>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>");
+    events.extend(parser.finish());
+    assert_eq!(
+        events,
+        vec![ParseEvent::Content(
+            "<tool_call>\n<function=other>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>".into()
+        )]
+    );
 }

@@ -75,6 +75,7 @@ pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
         stop_strings: vec![],
         stop_ids: vec![],
         logprobs: None,
+        constraint: None,
     }
 }
 

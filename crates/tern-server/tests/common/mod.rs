@@ -92,9 +92,20 @@ impl Server {
 
 /// Run tests/server/test_openai.py with `args`; panics if it fails.
 pub fn python(args: &[&str]) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/server/test_openai.py");
-    let status = Command::new("python3").arg(script).args(args).status().expect("cannot run python3");
-    assert!(status.success(), "test_openai.py {args:?} failed");
+    python_script("test_openai.py", args)
+}
+
+/// Run tests/server/`script` with `args`; panics if it fails.
+pub fn python_script(script: &str, args: &[&str]) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/server").join(script);
+    let status = Command::new("python3").arg(path).args(args).status().expect("cannot run python3");
+    assert!(status.success(), "{script} {args:?} failed");
+}
+
+/// Whether python3 can import every one of `modules`.
+pub fn python_has(modules: &[&str]) -> bool {
+    let code = modules.iter().map(|m| format!("import {m}")).collect::<Vec<_>>().join("; ");
+    Command::new("python3").args(["-c", &code]).output().is_ok_and(|o| o.status.success())
 }
 
 /// One HTTP/1.1 request on a fresh connection (`Connection: close`): the status and the body.

@@ -1,0 +1,393 @@
+//! Constrained decoding: which tokens may come next under a JSON schema, a Lark grammar or a forced tool call,
+//! as a bitset over the tokenizer's ids, computed by [llguidance] over the checkpoint's own tokenizer.
+//!
+//! * [`Grammars`] is made once per model (it loads `tokenizer.json` into llguidance's token trie: ~1 s) and
+//!   compiles a [`Spec`] into a [`Constrained`] per request (a JSON schema: about a millisecond).
+//! * [`Constrained`] is the state of one reply: [`Constrained::mask`] gives the bitset of the next draw (bit `i %
+//!   32` of word `i / 32` set: id `i` allowed), [`Constrained::commit`] advances past the token drawn.
+//! * With thinking on, the reply starts inside reasoning and the grammar starts after `</think>` (and the up to
+//!   two newlines the template writes after it): until then the mask allows every token but the ones that would
+//!   end or skip the reasoning (the stop ids, `<tool_call>`), so a constrained reply cannot end before its
+//!   constrained part; an optional budget forces `</think>` after that many reasoning tokens.
+//! * Once the grammar is complete the mask allows only the stop ids (llguidance's end of sequence).
+//!
+//! Tool calls follow the checkpoint's XML format (`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
+//! </parameter>\n</function>\n</tool_call>`): a parameter whose schema type is a string is raw text (its enum,
+//! pattern and length bounds enforced), any other is JSON that follows its schema, exactly as
+//! [`crate::parser`] reads them back into the OpenAI `arguments` object.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::TokEnv;
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{json, Map, Value};
+
+use crate::parser::param_type;
+use crate::{IM_END_ID, THINK_END_ID, TOOL_CALL_END_ID, TOOL_CALL_ID};
+
+/// What a reply must follow.
+#[derive(Clone, Copy, Debug)]
+pub enum Spec<'a> {
+    /// A JSON value valid under `schema`. `strict`: a keyword llguidance does not enforce is an error; else it
+    /// is ignored.
+    JsonSchema { schema: &'a Value, strict: bool },
+    /// Any JSON object.
+    JsonObject,
+    /// A Lark grammar (llguidance's dialect: `%json { ... }`, special tokens as `<...>`).
+    Lark(&'a str),
+    /// One tool call, or with `parallel` one or more ([`MAX_PARALLEL_CALLS`] at most), to the given OpenAI tools
+    /// (`{"type": "function", "function": {"name", "parameters"}}`), arguments following each one's parameters.
+    ToolCalls { tools: &'a [Value], parallel: bool },
+    /// No grammar: only the reasoning rules (with thinking: no stop before `</think>`, the budget).
+    Free,
+}
+
+/// The most calls a forced tool call with parallel calls may hold.
+pub const MAX_PARALLEL_CALLS: usize = 16;
+
+/// How the reply around the grammar goes.
+#[derive(Clone, Debug, Default)]
+pub struct Reply {
+    /// The reply starts inside reasoning: the grammar starts after `</think>`.
+    pub thinking: bool,
+    /// With thinking: after this many reasoning tokens, `</think>` is forced.
+    pub reasoning_budget: Option<usize>,
+    /// Ids that end the reply (allowed once the grammar is complete, never during reasoning).
+    pub stop_ids: Vec<u32>,
+}
+
+/// A grammar the client sent that cannot be used, with llguidance's reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrammarError(pub String);
+
+impl std::fmt::Display for GrammarError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for GrammarError {}
+
+/// The compiler of constraints for one tokenizer.
+pub struct Grammars {
+    factory: ParserFactory,
+    /// Ids of the tokenizer (bits of a mask).
+    vocab: usize,
+    /// The ids of "\n" and "\n\n", with their newline counts: what may follow `</think>` before the grammar.
+    newlines: Arc<Vec<(u32, usize)>>,
+}
+
+impl Grammars {
+    /// Load `dir/tokenizer.json` into llguidance (about a second for this checkpoint's 248k tokens).
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Grammars, GrammarError> {
+        let path = dir.as_ref().join("tokenizer.json");
+        let bt = toktrie_hf_tokenizers::ByteTokenizer::from_file(&path)
+            .map_err(|e| GrammarError(format!("{}: {e:#}", path.display())))?;
+        let env: TokEnv = bt.into_tok_env(None).map_err(|e| GrammarError(format!("{e:#}")))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError(format!("{e:#}")))?;
+        factory.quiet();
+        let trie = env.tok_trie();
+        let vocab = trie.vocab_size();
+        let newlines = (0..vocab as u32)
+            .filter_map(|id| match trie.token(id) {
+                b"\n" => Some((id, 1)),
+                b"\n\n" => Some((id, 2)),
+                _ => None,
+            })
+            .collect();
+        Ok(Grammars { factory, vocab, newlines: Arc::new(newlines) })
+    }
+
+    /// Ids a mask covers (the tokenizer's).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    /// Compile `spec` for one reply. Errors are the client's (a schema or grammar llguidance refuses).
+    pub fn compile(&self, spec: Spec, reply: &Reply) -> Result<Constrained, GrammarError> {
+        let grammar = match spec {
+            Spec::JsonSchema { schema, strict } => {
+                if !schema.is_object() && !schema.is_boolean() {
+                    return Err(GrammarError("the JSON schema must be an object".into()));
+                }
+                Some(TopLevelGrammar::from_json_schema(with_options(schema, strict)))
+            }
+            Spec::JsonObject => Some(TopLevelGrammar::from_json_schema(with_options(&json!({"type": "object"}), true))),
+            Spec::Lark(text) => {
+                if text.trim().is_empty() {
+                    return Err(GrammarError("the grammar is empty".into()));
+                }
+                Some(TopLevelGrammar::from_lark(text.to_owned()))
+            }
+            Spec::ToolCalls { tools, parallel } => Some(TopLevelGrammar::from_lark(tool_calls_lark(tools, parallel)?)),
+            Spec::Free => None,
+        };
+        let matcher = match grammar {
+            Some(g) => {
+                let m = Matcher::new(self.factory.create_parser(g));
+                if let Some(e) = m.get_error() {
+                    return Err(GrammarError(e));
+                }
+                Some(m)
+            }
+            None => None,
+        };
+        let words = self.vocab.div_ceil(32);
+        let bit = |w: &mut [u32], id: u32| {
+            if (id as usize) < self.vocab {
+                w[id as usize / 32] |= 1 << (id % 32);
+            }
+        };
+        let mut stops = vec![0u32; words];
+        for &id in &reply.stop_ids {
+            bit(&mut stops, id);
+        }
+        let reasoning = reply.thinking.then(|| {
+            // Every id but those that end the reply or skip the reasoning's end.
+            let mut w = vec![u32::MAX; words];
+            let clear = |w: &mut [u32], id: u32| {
+                if (id as usize) < self.vocab {
+                    w[id as usize / 32] &= !(1 << (id % 32));
+                }
+            };
+            for &id in reply.stop_ids.iter().chain(&[TOOL_CALL_ID, TOOL_CALL_END_ID]) {
+                clear(&mut w, id);
+            }
+            if !self.vocab.is_multiple_of(32) {
+                w[words - 1] &= (1u32 << (self.vocab % 32)) - 1;
+            }
+            Arc::new(w)
+        });
+        Ok(Constrained {
+            matcher,
+            reasoning,
+            lead: 0,
+            newlines: self.newlines.clone(),
+            reasoned: 0,
+            budget: reply.reasoning_budget,
+            stops: Arc::new(stops),
+            vocab: self.vocab,
+        })
+    }
+}
+
+/// The JSON schema with llguidance's output options: compact separators with one space (`{"a": 1, "b": 2}`),
+/// no other whitespace (a model cannot pad the reply forever), and `strict` deciding whether a keyword it cannot
+/// enforce is an error (else it is ignored).
+fn with_options(schema: &Value, strict: bool) -> Value {
+    let options = json!({"whitespace_flexible": false, "key_separator": ": ", "item_separator": ", ",
+                         "lenient": !strict});
+    match schema {
+        Value::Object(m) => {
+            let mut m = m.clone();
+            m.insert("x-guidance".into(), options);
+            Value::Object(m)
+        }
+        // `true` (anything) as a schema with options.
+        Value::Bool(true) => json!({"x-guidance": options}),
+        other => other.clone(),
+    }
+}
+
+/// One reply's constraint state.
+#[derive(Clone)]
+pub struct Constrained {
+    /// `None`: no grammar (only the reasoning rules).
+    matcher: Option<Matcher>,
+    /// While the reply is inside reasoning: its mask (`None` once `</think>` is drawn, or without thinking).
+    reasoning: Option<Arc<Vec<u32>>>,
+    /// Newlines that may still come before the grammar (2 right after `</think>`, else 0), and their ids.
+    lead: usize,
+    newlines: Arc<Vec<(u32, usize)>>,
+    /// Reasoning tokens drawn so far, and the most allowed before `</think>` is forced.
+    reasoned: usize,
+    budget: Option<usize>,
+    /// The stop ids as a mask: what ends the reply once the grammar is complete.
+    stops: Arc<Vec<u32>>,
+    vocab: usize,
+}
+
+impl Constrained {
+    /// The mask of the next draw, or `None` once nothing constrains the rest of the reply.
+    pub fn mask(&mut self) -> Result<Option<Vec<u32>>, String> {
+        if let Some(r) = &self.reasoning {
+            if self.budget.is_some_and(|b| self.reasoned >= b) {
+                let mut w = vec![0u32; r.len()];
+                w[THINK_END_ID as usize / 32] |= 1 << (THINK_END_ID % 32);
+                return Ok(Some(w));
+            }
+            return Ok(Some(r.to_vec()));
+        }
+        let Some(m) = &mut self.matcher else { return Ok(None) };
+        if m.is_stopped() {
+            if let Some(e) = m.get_error() {
+                return Err(e);
+            }
+            return Ok(Some(self.stops.to_vec()));
+        }
+        let vob = m.compute_mask().map_err(|e| format!("{e:#}"))?;
+        let mut words: Vec<u32> = vob.as_slice().iter().copied().take(self.stops.len()).collect();
+        words.resize(self.stops.len(), 0);
+        // llguidance's end of sequence (`<|endoftext|>`, and `<|im_end|>` where it counts it) means "complete":
+        // the reply's own stop ids end it.
+        let eos = m.tok_env().map(|e| e.tok_trie().eos_tokens().to_vec()).unwrap_or_default();
+        let complete = eos.iter().chain(&[IM_END_ID]).any(|&t| vob.is_allowed(t));
+        for &t in eos.iter().chain(&[IM_END_ID]) {
+            if (t as usize) < self.vocab {
+                words[t as usize / 32] &= !(1 << (t % 32));
+            }
+        }
+        if complete {
+            for (w, s) in words.iter_mut().zip(self.stops.iter()) {
+                *w |= s;
+            }
+        }
+        for &(id, n) in self.newlines.iter() {
+            if n <= self.lead {
+                words[id as usize / 32] |= 1 << (id % 32);
+            }
+        }
+        if words.iter().all(|&w| w == 0) {
+            return Err("the grammar allows no token here".into());
+        }
+        Ok(Some(words))
+    }
+
+    /// Advance past `token`, drawn under the last mask.
+    pub fn commit(&mut self, token: u32) -> Result<(), String> {
+        if self.reasoning.is_some() {
+            if token == THINK_END_ID {
+                self.reasoning = None;
+                self.lead = 2;
+            } else {
+                self.reasoned += 1;
+            }
+            return Ok(());
+        }
+        if self.lead > 0 {
+            if let Some(&(_, n)) = self.newlines.iter().find(|(id, n)| *id == token && *n <= self.lead) {
+                self.lead -= n;
+                return Ok(());
+            }
+            self.lead = 0;
+        }
+        match &mut self.matcher {
+            Some(m) if !m.is_stopped() => m.consume_token(token).map_err(|e| format!("{e:#}")),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the grammar is complete (the reply may end here).
+    pub fn is_complete(&mut self) -> bool {
+        match &mut self.matcher {
+            None => self.reasoning.is_none(),
+            Some(m) => m.is_stopped() || m.is_accepting().unwrap_or(false),
+        }
+    }
+}
+
+/// A string as a Lark literal (JSON string syntax; llguidance also refuses a raw DEL).
+fn lark_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The Lark grammar of forced tool calls in the checkpoint's XML format.
+fn tool_calls_lark(tools: &[Value], parallel: bool) -> Result<String, GrammarError> {
+    if tools.is_empty() {
+        return Err(GrammarError("a forced tool call needs at least one tool".into()));
+    }
+    let mut g = String::new();
+    if parallel {
+        g += &format!("start: call (\"\\n\" call){{0,{}}}\n", MAX_PARALLEL_CALLS - 1);
+    } else {
+        g += "start: call\n";
+    }
+    let fns: Vec<String> = (0..tools.len()).map(|i| format!("fn_{i}")).collect();
+    g += &format!("call: <tool_call> \"\\n\" ({}) \"</function>\\n\" </tool_call>\n", fns.join(" | "));
+    for (i, tool) in tools.iter().enumerate() {
+        let f = tool.get("function").unwrap_or(tool);
+        let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
+        let name = name.ok_or_else(|| GrammarError(format!("tool {i} has no name")))?;
+        if name.contains(['>', '\n']) {
+            return Err(GrammarError(format!("the tool name {name:?} cannot be written in a tool call")));
+        }
+        let strict = f.get("strict").and_then(Value::as_bool).unwrap_or(false);
+        let empty = Map::new();
+        let params = f.get("parameters").and_then(Value::as_object).unwrap_or(&empty);
+        let props = params.get("properties").and_then(Value::as_object).unwrap_or(&empty);
+        let required: Vec<&str> = params
+            .get("required")
+            .and_then(Value::as_array)
+            .map_or(vec![], |r| r.iter().filter_map(Value::as_str).collect());
+        let mut body = vec![lark_str(&format!("<function={name}>\n"))];
+        for (k, (key, schema)) in props.iter().enumerate() {
+            if key.contains(['>', '\n']) || key.is_empty() {
+                return Err(GrammarError(format!("the parameter name {key:?} of '{name}' cannot be written")));
+            }
+            let rule = format!("p_{i}_{k}");
+            body.push(if required.contains(&key.as_str()) { rule.clone() } else { format!("{rule}?") });
+            let head = lark_str(&format!("<parameter={key}>\n"));
+            let value = param_value(&mut g, &format!("{i}_{k}"), schema, strict);
+            g += &format!("{rule}: {head} {value}\n");
+        }
+        for r in &required {
+            if !props.contains_key(*r) {
+                return Err(GrammarError(format!("'{name}' requires '{r}', which its 'properties' does not define")));
+            }
+        }
+        g += &format!("fn_{i}: {}\n", body.join(" "));
+    }
+    Ok(g)
+}
+
+/// The grammar of one parameter's value with the line closing it, as the parser reads it back (see
+/// [`crate::parser`]): a string-typed parameter is raw text that cannot hold the tags ending a value, any other is
+/// JSON under its schema. Rules it needs are appended to `g`.
+fn param_value(g: &mut String, id: &str, schema: &Value, strict: bool) -> String {
+    let close = lark_str("\n</parameter>\n");
+    if param_type(Some(schema)) == Some("string") {
+        let strings = |key: &str| {
+            schema.get(key).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_str).collect::<Vec<_>>())
+        };
+        let choices = strings("enum").or_else(|| schema.get("const").and_then(Value::as_str).map(|c| vec![c]));
+        if let Some(choices) = choices.filter(|c| !c.is_empty()) {
+            let alts: Vec<String> = choices.iter().map(|c| lark_str(c)).collect();
+            return format!("({}) {close}", alts.join(" | "));
+        }
+        let n = |key: &str| schema.get(key).and_then(Value::as_u64);
+        let (min, max) = (n("minLength").unwrap_or(0), n("maxLength"));
+        let len = match max {
+            Some(max) => format!("{{{min},{max}}}"),
+            None => format!("{{{min},}}"),
+        };
+        let text = match schema.get("pattern").and_then(Value::as_str) {
+            // A pattern is searched for in JSON Schema; here the whole value must match it.
+            Some(p) => {
+                let p = llguidance::regex_to_lark(p.trim_start_matches('^').trim_end_matches('$'), "dw");
+                format!("/(?:{p})/ & /(?s:.){len}/")
+            }
+            None => format!("/(?s:.){len}/"),
+        };
+        *g += &format!("VAL_{id}: {text} & ~/(?s:.*)(<\\/parameter>|<parameter=|<\\/function>)(?s:.*)/\n");
+        *g += &format!("val_{id}[suffix={close}]: VAL_{id}\n");
+        return format!("val_{id}");
+    }
+    let schema = with_options(schema, strict);
+    format!("%json {schema} {close}")
+}
