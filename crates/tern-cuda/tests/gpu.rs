@@ -197,27 +197,22 @@ fn allocation_on_a_full_gpu_is_an_error_not_a_panic() {
 
 /// Constrained decoding on the CUDA backend (the interim one: the logits row comes to the host and the mask is
 /// applied where it samples): JSON-schema replies of a random real-vocabulary model parse and validate, and the
-/// time per token with and without a schema (mask computed beside the step, and how long a step waited for it).
+/// time per token with and without a schema (tern_engine::cost, the CPU backend's measurement).
 #[test]
 fn constrained_decoding_cost_on_cuda() {
-    use std::sync::atomic::Ordering;
     use std::sync::Arc;
-    use std::time::Instant;
-    use tern_engine::{Constraint, Engine, EngineConfig, Event, Request};
     use tern_model::mlx::QuantSpec;
     use tern_model::random::RandomValues;
     use tern_model::{Config, Weights};
-    use tern_text::{Grammars, Reply, Spec, Tokenizer, DEFAULT_STOP_IDS};
     let Some(_g) = gpu_or_skip("constrained_decoding_cost_on_cuda") else { return };
     let Some(dir) = tern_model::testutil::qwen_dir() else {
         println!("SKIPPED: constrained_decoding_cost_on_cuda: TERN_QWEN_DIR not set");
         return;
     };
-    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
-    let grammars = Grammars::from_dir(&dir).unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let t = &mut cfg["text_config"];
+    // small, but with the shapes the CUDA kernels take (head dim 64, dims % 32) and the real vocabulary
     for (k, v) in [
         ("hidden_size", 128),
         ("num_hidden_layers", 4),
@@ -240,54 +235,11 @@ fn constrained_decoding_cost_on_cuda() {
     let w = Weights::from_values(c.clone(), &RandomValues { seed: 5 }, Some(&QuantSpec::q4(&c))).unwrap();
     let backend: Arc<dyn Backend> =
         Arc::new(CudaSlots::new(CudaBackend::new(&w, CudaOptions::with_context(1024)).unwrap()));
-    let prompt = tok.encode("<|im_start|>user\nData please<|im_end|>\n<|im_start|>assistant\n", false).unwrap();
-    let reply = Reply { thinking: false, reasoning_budget: None, stop_ids: DEFAULT_STOP_IDS.to_vec() };
-    let short = serde_json::json!({"type": "array", "items": {"type": "string", "maxLength": 4},
-                                   "minItems": 60, "maxItems": 60});
-    let long = serde_json::json!({"type": "object", "properties": {"text": {"type": "string", "minLength": 400,
-                                  "maxLength": 400}}, "required": ["text"], "additionalProperties": false});
-    let cases: [(&str, Option<&serde_json::Value>); 3] =
-        [("free text", None), ("short strings", Some(&short)), ("one long string", Some(&long))];
-    for (name, schema) in cases {
-        let engine = Engine::start(backend.clone(), tok.clone(), EngineConfig::default());
-        let constraint = schema
-            .map(|s| Constraint::new(grammars.compile(Spec::JsonSchema { schema: s, strict: true }, &reply).unwrap()));
-        let req = Request {
-            prompt: prompt.clone(),
-            sampling: SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, seed: Some(3), ..Default::default() },
-            max_tokens: 200,
-            stop_strings: vec![],
-            stop_ids: if schema.is_some() { DEFAULT_STOP_IDS.to_vec() } else { vec![] },
-            logprobs: None,
-            constraint,
-        };
-        let (mut first, mut last, mut n, mut text) = (None, None, 0usize, String::new());
-        for ev in engine.submit(req).unwrap() {
-            match ev {
-                Event::Token { text: t, .. } => {
-                    let now = Instant::now();
-                    first.get_or_insert(now);
-                    last = Some(now);
-                    n += 1;
-                    text += &t;
-                }
-                Event::Error(e) => panic!("{name}: {e}"),
-                Event::Done { .. } => {}
-            }
-        }
-        let (Some(first), Some(last)) = (first, last) else { panic!("{name}: no tokens") };
-        if schema.is_some() {
-            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}: {text}"));
-            assert!(v.is_array() || v["text"].as_str().is_some_and(|t| t.chars().count() == 400), "{name}: {text}");
-        }
-        let s = &engine.stats;
-        let masks = s.masks.load(Ordering::Relaxed).max(1);
+    for r in tern_engine::cost::constrained_decoding_cost(backend, &dir).unwrap() {
         println!(
-            "constrained decoding cost, CUDA backend, {name}: {n} tokens, {:.2} ms a token (decode); masks {:.0} us a \
+            "constrained decoding cost, CUDA backend, {}: {} tokens, {:.2} ms a token (decode); masks {:.0} us a \
              token computed, {:.0} us a token waited for",
-            (last - first).as_secs_f64() * 1e3 / (n.max(2) - 1) as f64,
-            s.mask_us.load(Ordering::Relaxed) as f64 / masks as f64,
-            s.mask_wait_us.load(Ordering::Relaxed) as f64 / masks as f64,
+            r.case, r.tokens, r.ms_per_token, r.mask_us, r.wait_us
         );
     }
 }

@@ -3,6 +3,7 @@
 //! streams generation events.
 
 pub mod backend;
+pub mod cost;
 pub mod engine;
 pub mod model;
 

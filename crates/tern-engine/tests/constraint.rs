@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use tern_engine::{
-    mask_allows, sample_host, AllocError, Backend, Constraint, CpuBackend, Engine, EngineConfig, Event, FinishReason,
-    MaskSlot, Output, Request, Sample, SamplingParams, ScriptedBackend, SeqId, TokenConstraint, Work,
+    mask_allows, sample_host, Backend, Constraint, CpuBackend, Engine, EngineConfig, Event, FinishReason, MaskSlot,
+    Request, Sample, SamplingParams, ScriptedBackend, StepHook, TokenConstraint, Work,
 };
 use tern_model::testutil::qwen_dir;
 use tern_text::{Grammars, Reply, Spec, Tokenizer, DEFAULT_STOP_IDS};
@@ -116,37 +116,14 @@ fn run(engine: &Engine, req: Request) -> (Vec<u32>, Event) {
 }
 
 /// A scripted backend whose steps take `delay` (the forward pass a mask is computed beside).
-struct Slow {
-    inner: ScriptedBackend,
-    delay: Duration,
-}
-
-impl Backend for Slow {
-    fn name(&self) -> &str {
-        "slow"
-    }
-    fn vocab_size(&self) -> usize {
-        VOCAB
-    }
-    fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
-        self.inner.alloc(tokens)
-    }
-    fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
-        self.inner.fork(seq, tokens)
-    }
-    fn free(&self, seq: SeqId) {
-        self.inner.free(seq)
-    }
-    fn len(&self, seq: SeqId) -> Option<usize> {
-        self.inner.len(seq)
-    }
-    fn state_bytes(&self, seq: SeqId) -> usize {
-        self.inner.state_bytes(seq)
-    }
-    fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
-        std::thread::sleep(self.delay);
-        self.inner.step(work)
-    }
+fn slow(delay: Duration) -> Arc<dyn Backend> {
+    Arc::new(StepHook {
+        inner: ScriptedBackend::new(VOCAB, vec![7]),
+        hook: move |b: &ScriptedBackend, work: &[Work]| {
+            std::thread::sleep(delay);
+            b.step(work)
+        },
+    })
 }
 
 #[test]
@@ -197,7 +174,7 @@ fn masks_are_computed_beside_the_step() {
     let _turn = turn();
     let tok = tok_or_skip!("masks_are_computed_beside_the_step");
     let (step, mask) = (Duration::from_millis(60), Duration::from_millis(40));
-    let backend = Arc::new(Slow { inner: ScriptedBackend::new(VOCAB, vec![7]), delay: step });
+    let backend = slow(step);
     let engine = Engine::start(backend, tok, EngineConfig::default());
     let seq: Vec<u32> = (100..110).collect();
     let t0 = Instant::now();
@@ -308,8 +285,8 @@ fn json_schema_on_a_random_model() {
 }
 
 /// Time per token on the CPU backend (random 4-layer model, the real 248k vocabulary) without a constraint and
-/// with JSON schemas: the figures of docs/perf.md's constrained-decoding row. Each reply is `n` tokens; the time
-/// per token is measured between the first and the last token (decode only), the mask figures come from Stats.
+/// with JSON schemas: the figures of docs/perf.md's constrained-decoding row (tern_engine::cost; the CUDA backend's
+/// are tern-cuda's gpu test `constrained_decoding_cost_on_cuda`).
 #[test]
 fn constrained_decoding_cost_on_the_cpu_backend() {
     let _turn = turn();
@@ -317,66 +294,12 @@ fn constrained_decoding_cost_on_the_cpu_backend() {
         println!("SKIPPED: constrained_decoding_cost_on_the_cpu_backend: TERN_QWEN_DIR not set");
         return;
     };
-    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
     let Some(weights) = common::real_vocab_weights() else { return };
-    let grammars = Grammars::from_dir(&dir).unwrap();
-    let prompt = tok.encode("<|im_start|>user\nData please<|im_end|>\n<|im_start|>assistant\n", false).unwrap();
-    let reply = Reply { thinking: false, reasoning_budget: None, stop_ids: DEFAULT_STOP_IDS.to_vec() };
-    // Many short strings (masks mostly small) and one long free string (a ~224k-id mask every token).
-    let short = serde_json::json!({"type": "array", "items": {"type": "string", "maxLength": 4},
-                                   "minItems": 60, "maxItems": 60});
-    let long = serde_json::json!({"type": "object", "properties": {"text": {"type": "string", "minLength": 400,
-                                  "maxLength": 400}}, "required": ["text"], "additionalProperties": false});
-    let cases: [(&str, Option<&serde_json::Value>); 3] =
-        [("free text", None), ("short strings", Some(&short)), ("one long string", Some(&long))];
-    for (name, schema) in cases {
-        let engine = Engine::start(Arc::new(CpuBackend::new(weights.clone())), tok.clone(), EngineConfig::default());
-        let constraint = schema
-            .map(|s| Constraint::new(grammars.compile(Spec::JsonSchema { schema: s, strict: true }, &reply).unwrap()));
-        let req = Request {
-            prompt: prompt.clone(),
-            // The checkpoint's own sampling defaults (top-k 20, top-p 0.95).
-            sampling: SamplingParams {
-                temperature: 1.0,
-                top_k: 20,
-                top_p: 0.95,
-                seed: Some(3),
-                ..SamplingParams::default()
-            },
-            max_tokens: 200,
-            stop_strings: vec![],
-            // Free text runs its 200 tokens; a schema ends where its JSON does (or at 200).
-            stop_ids: if schema.is_some() { DEFAULT_STOP_IDS.to_vec() } else { vec![] },
-            logprobs: None,
-            constraint,
-        };
-        let (mut first, mut last, mut n, mut text) = (None, None, 0usize, String::new());
-        for ev in engine.submit(req).unwrap() {
-            match ev {
-                Event::Token { text: t, .. } => {
-                    let now = Instant::now();
-                    first.get_or_insert(now);
-                    last = Some(now);
-                    n += 1;
-                    text += &t;
-                }
-                Event::Error(e) => panic!("{e}"),
-                Event::Done { .. } => {}
-            }
-        }
-        let (Some(first), Some(last)) = (first, last) else { panic!("{name}: no tokens") };
-        if schema.is_some() {
-            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}: {text}"));
-            assert!(v.is_array() || v["text"].as_str().is_some_and(|t| t.chars().count() == 400), "{name}: {text}");
-        }
-        let s = &engine.stats;
-        let masks = s.masks.load(Ordering::Relaxed).max(1);
+    for r in tern_engine::cost::constrained_decoding_cost(Arc::new(CpuBackend::new(weights)), &dir).unwrap() {
         println!(
-            "constrained decoding cost, CPU backend, {name}: {n} tokens, {:.2} ms a token (decode); masks {:.0} us \
-             a token computed, {:.0} us a token waited for",
-            (last - first).as_secs_f64() * 1e3 / (n.max(2) - 1) as f64,
-            s.mask_us.load(Ordering::Relaxed) as f64 / masks as f64,
-            s.mask_wait_us.load(Ordering::Relaxed) as f64 / masks as f64,
+            "constrained decoding cost, CPU backend, {}: {} tokens, {:.2} ms a token (decode); masks {:.0} us a token \
+             computed, {:.0} us a token waited for",
+            r.case, r.tokens, r.ms_per_token, r.mask_us, r.wait_us
         );
     }
 }
