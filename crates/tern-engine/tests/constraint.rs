@@ -16,22 +16,6 @@ use tern_engine::{
 use tern_model::testutil::qwen_dir;
 use tern_text::{Grammars, Reply, Spec, Tokenizer, DEFAULT_STOP_IDS};
 
-fn tokenizer() -> Option<Arc<Tokenizer>> {
-    Some(Arc::new(Tokenizer::from_dir(qwen_dir()?).unwrap()))
-}
-
-macro_rules! tok_or_skip {
-    ($name:literal) => {
-        match tokenizer() {
-            Some(t) => t,
-            None => {
-                println!(concat!("SKIPPED: ", $name, ": TERN_QWEN_DIR not set"));
-                return;
-            }
-        }
-    };
-}
-
 const VOCAB: usize = 384;
 
 /// The tests that time steps or use the cores take turns (the others are light).

@@ -2,44 +2,20 @@
 //! forward loop, the prefix cache changes nothing but the work, cancellation frees the sequence, errors carry
 //! their numbers.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use common::greedy;
 
 use tern_engine::{
     Backend, CpuBackend, Engine, EngineConfig, Event, FinishReason, Request, ScriptedBackend, StepHook, SubmitError,
     Want, Work,
 };
-use tern_model::testutil::{fixtures_dir, qwen_dir};
+use tern_model::testutil::fixtures_dir;
 use tern_model::{Logits, State, Weights};
-use tern_text::{SamplingParams, Tokenizer, IM_END_ID, IM_START_ID};
-
-fn tokenizer() -> Option<Arc<Tokenizer>> {
-    Some(Arc::new(Tokenizer::from_dir(qwen_dir()?).unwrap()))
-}
-
-macro_rules! tok_or_skip {
-    ($name:literal) => {
-        match tokenizer() {
-            Some(t) => t,
-            None => {
-                println!(concat!("SKIPPED: ", $name, ": TERN_QWEN_DIR not set"));
-                return;
-            }
-        }
-    };
-}
-
-fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request {
-        prompt,
-        sampling: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
-        max_tokens,
-        stop_strings: vec![],
-        stop_ids: vec![],
-        logprobs: None,
-        constraint: None,
-    }
-}
+use tern_text::{IM_END_ID, IM_START_ID};
 
 /// Tokens and final event of one request.
 fn collect(engine: &Engine, req: Request) -> (Vec<u32>, Event) {

@@ -54,6 +54,20 @@ pub fn real_vocab_weights() -> Option<Arc<Weights>> {
     .clone()
 }
 
+/// The real tokenizer, or print `SKIPPED: <name>` and return from the test.
+#[macro_export]
+macro_rules! tok_or_skip {
+    ($name:literal) => {
+        match common::tokenizer() {
+            Some(t) => t,
+            None => {
+                println!(concat!("SKIPPED: ", $name, ": TERN_QWEN_DIR not set"));
+                return;
+            }
+        }
+    };
+}
+
 #[macro_export]
 macro_rules! real_or_skip {
     ($name:literal) => {
