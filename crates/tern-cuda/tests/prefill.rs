@@ -706,7 +706,9 @@ fn prefill_rejects_bad_input() {
 /// Full-shape check for the device: a random full-shape 4-bit model on the CPU and uploaded, a prompt of
 /// `TERN_PREFILL_FULL_N` (default 4096) tokens prefilled in one GPU pass (every position's logits), against one CPU
 /// forward over the same prompt holding the GPU's expert choices and one free-running, at every position.
-/// `cargo test --release -p tern-cuda --test prefill -- --ignored`.
+/// `cargo test --release -p tern-cuda --test prefill -- --ignored`. Each CPU pass over 4,096 tokens takes ~6 minutes
+/// on the device's 16 cores; `TERN_PREFILL_FULL_ROUTING=held` or `free` runs one of them (one device call is at most
+/// 10 minutes), anything else both.
 #[test]
 #[ignore]
 fn full_shape_prefill_vs_cpu() {
@@ -724,24 +726,34 @@ fn full_shape_prefill_vs_cpu() {
     drop(seq);
     drop(be);
     println!("full shape: GPU prefill of {n} done at {:.0?}", t0.elapsed());
-    let mut held = State::new(&c);
-    held.routing.force = Some(out.routes.clone());
-    let ch = w.forward(&ids, &mut held, Logits::All);
-    let (hm, hx, dec, same) = compare_rows(&out.logits, &ch, v);
-    drop(ch);
-    println!("full shape: CPU held done at {:.0?}: median {hm:.2e} max {hx:.2e}, argmax {same}/{dec}", t0.elapsed());
-    // (each CPU pass over 4,096 tokens takes ~6 minutes on the device's 16 cores: ~13 minutes in all)
-    let cf = w.forward(&ids, &mut State::new(&c), Logits::All);
-    let (fm, fx, fdec, fsame) = compare_rows(&out.logits, &cf, v);
-    println!(
-        "full shape prefill {n} tokens, every position: held routing median {hm:.2e} max {hx:.2e}, argmax {same}/{dec} \
-         where the CPU's top-2 gap > 2%; free-running median {fm:.2e} max {fx:.2e}, argmax {fsame}/{fdec}; {:.0?} in all",
-        t0.elapsed()
-    );
+    let which = std::env::var("TERN_PREFILL_FULL_ROUTING").unwrap_or_default();
     // The prefill's GEMMs take bf16 activations (the decode step f32), so the bound is transformers' own
     // bf16-vs-f32 distance (tiny-b: max 0.161; no full-shape transformers run exists), not the decode test's.
     // H200, 2026-12-01, n = 4096: held median 4.83e-2 max 8.18e-2, argmax 1758/1758.
     let (_, yx) = yardstick();
-    assert!(hx <= yx && same == dec, "full shape held routing: median {hm} max {hx} (bound {yx}); argmax {same}/{dec}");
-    assert!(fsame == fdec || fdec == 0, "full shape free-running: argmax {fsame}/{fdec}");
+    if which != "free" {
+        let mut held = State::new(&c);
+        held.routing.force = Some(out.routes.clone());
+        let ch = w.forward(&ids, &mut held, Logits::All);
+        let (hm, hx, dec, same) = compare_rows(&out.logits, &ch, v);
+        println!(
+            "full shape prefill {n} tokens, every position: held routing median {hm:.2e} max {hx:.2e}, argmax \
+             {same}/{dec} where the CPU's top-2 gap > 2%; at {:.0?}",
+            t0.elapsed()
+        );
+        assert!(hx <= yx && same == dec, "full shape held routing: median {hm} max {hx} (bound {yx}); argmax {same}/{dec}");
+    }
+    if which != "held" {
+        // Free routing: where a token's router scores are near a tie, the GPU's bf16 activations may pick another
+        // expert than the f32 CPU, and that position's logits move by more than rounding; the distance is
+        // reported, and the argmax must agree wherever the CPU's top-2 gap exceeds 2%.
+        let cf = w.forward(&ids, &mut State::new(&c), Logits::All);
+        let (fm, fx, fdec, fsame) = compare_rows(&out.logits, &cf, v);
+        println!(
+            "full shape prefill {n} tokens, every position: free-running median {fm:.2e} max {fx:.2e}, argmax \
+             {fsame}/{fdec} where the CPU's top-2 gap > 2%; at {:.0?}",
+            t0.elapsed()
+        );
+        assert!(fsame == fdec || fdec == 0, "full shape free-running: argmax {fsame}/{fdec}");
+    }
 }
