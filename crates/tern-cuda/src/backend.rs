@@ -21,6 +21,7 @@ use cudarc::driver::{sys, DriverError};
 use tern_engine::backend::{check_item, panic_message, Slots};
 use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, Want, Work};
 
+use crate::batch::{RowWant, MAX_SEQS};
 use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState, LState};
 
 /// The CUDA backend behind the engine's seam (interim: one [`DeviceState`] per sequence, see the module doc).
@@ -175,23 +176,106 @@ impl Backend for CudaSlots {
     fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
         let vocab = self.vocab_size();
         let taken = self.slots.lock().take(work);
-        let mut out = Vec::with_capacity(work.len());
-        let mut back = Vec::with_capacity(work.len());
+        // each item's sequence (back into the table at the end, whatever happens) and the shared checks' verdict
+        let mut items: Vec<Option<CudaSequence>> = Vec::with_capacity(work.len());
+        let mut out: Vec<Option<Result<Output>>> = Vec::with_capacity(work.len());
         for (w, got) in work.iter().zip(taken) {
-            out.push(got.and_then(|(mut seq, reserved)| {
-                let r = check_item(w, vocab, seq.st.len, reserved).and_then(|()| {
-                    // Items run one by one here, so a panic in one fails that item only.
-                    catch_unwind(AssertUnwindSafe(|| Self::run(&mut seq, w)))
-                        .unwrap_or_else(|p| Err(anyhow!("internal error on the GPU: {}", panic_message(&*p))))
-                });
-                back.push((w.seq, seq));
-                r
-            }));
+            match got {
+                Ok((seq, reserved)) => {
+                    out.push(check_item(w, vocab, seq.st.len, reserved).err().map(Err));
+                    items.push(Some(seq));
+                }
+                Err(e) => {
+                    out.push(Some(Err(e)));
+                    items.push(None);
+                }
+            }
+        }
+        // decode items (one token each) in batched passes when there are two or more
+        let decodes: Vec<usize> = (0..work.len()).filter(|&i| out[i].is_none() && work[i].ids.len() == 1).collect();
+        if self.opts().batched_decode && decodes.len() >= 2 {
+            for group in decodes.chunks(MAX_SEQS) {
+                let results = Self::run_batch(&self.cuda, work, &mut items, group);
+                for (&i, r) in group.iter().zip(results) {
+                    out[i] = Some(r);
+                }
+            }
+        }
+        // everything else one by one (a panic in one fails that item only)
+        for (i, w) in work.iter().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            let r = match items[i].as_mut() {
+                Some(seq) => catch_unwind(AssertUnwindSafe(|| Self::run(seq, w)))
+                    .unwrap_or_else(|p| Err(anyhow!("internal error on the GPU: {}", panic_message(&*p)))),
+                None => Err(anyhow!("the state of {} is not available", w.seq)),
+            };
+            out[i] = Some(r);
         }
         let mut t = self.slots.lock();
-        for (id, seq) in back {
-            t.put(id, seq);
+        for (w, seq) in work.iter().zip(items) {
+            if let Some(seq) = seq {
+                t.put(w.seq, seq);
+            }
         }
-        out
+        drop(t);
+        out.into_iter().map(|o| o.unwrap_or_else(|| Err(anyhow!("step item left without a result")))).collect()
+    }
+}
+
+impl CudaSlots {
+    /// The decode items `group` (indices into `work`, each with one id, at most [`MAX_SEQS`]) in one batched pass:
+    /// every item gets its own result; a failed pass (or a panic inside it) fails them all.
+    fn run_batch(
+        cuda: &CudaBackend,
+        work: &[Work],
+        items: &mut [Option<CudaSequence>],
+        group: &[usize],
+    ) -> Vec<Result<Output>> {
+        let limit_of = |w: &Work| match &w.out {
+            Want::Sample(s) => s.limit,
+            _ => usize::MAX,
+        };
+        let want: Vec<RowWant> = group
+            .iter()
+            .map(|&i| {
+                let w = &work[i];
+                let logits = !matches!(&w.out, Want::Nothing) && !matches!(&w.out, Want::Sample(s) if s.is_argmax());
+                RowWant { logits, limit: limit_of(w) }
+            })
+            .collect();
+        let ids: Vec<u32> = group.iter().map(|&i| work[i].ids[0]).collect();
+        let mut seqs: Vec<&mut DeviceState> = Vec::with_capacity(group.len());
+        for (i, it) in items.iter_mut().enumerate() {
+            if let (true, Some(seq)) = (group.contains(&i), it.as_mut()) {
+                seqs.push(&mut seq.st);
+            }
+        }
+        if seqs.len() != group.len() {
+            return group.iter().map(|_| Err(anyhow!("a batched step lost track of its sequences"))).collect();
+        }
+        let model = cuda.model.clone();
+        let pass = catch_unwind(AssertUnwindSafe(|| model.decode_seqs(&mut seqs, &ids, &want)))
+            .unwrap_or_else(|p| Err(anyhow!("internal error on the GPU: {}", panic_message(&*p))));
+        match pass {
+            Err(e) => {
+                let msg = format!("{e:#}");
+                group.iter().map(|_| Err(anyhow!("{msg}"))).collect()
+            }
+            Ok(rows) => group
+                .iter()
+                .zip(rows)
+                .map(|(&i, row)| match (&work[i].out, row.logits) {
+                    (Want::Nothing, _) => Ok(Output::Nothing),
+                    (Want::Sample(s), _) if s.is_argmax() => {
+                        Ok(Output::Token(Sampled { token: row.argmax, logprob: None }))
+                    }
+                    (Want::Sample(s), Some(mut l)) => sample_host(&mut l, s).map(Output::Token),
+                    (Want::Last | Want::All, Some(l)) => Ok(Output::Logits(l)),
+                    _ => Err(anyhow!("a batched step returned no logits row")),
+                })
+                .collect(),
+        }
     }
 }

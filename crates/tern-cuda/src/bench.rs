@@ -136,6 +136,89 @@ pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak
         }
     }
     kernel_times(be, &mut seq.st, 32768.min(max_ctx - 2))?;
+    drop(seq);
+    bench_batched(be, BATCH_CTX, repeats)?;
+    Ok(())
+}
+
+/// Context of every sequence in the batched decode table.
+const BATCH_CTX: usize = 512;
+/// Batch sizes of the batched decode table.
+const BATCHES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+/// Batched decode (`DeviceModel::decode_seqs`, one token for each of B sequences per step) at `ctx` tokens of context
+/// each: median step time over `repeats` runs of 8 steps, tokens/s = B / step, beside the bandwidth ceiling of a step
+/// (the non-expert weights and lm_head once, the distinct experts the B tokens route to — expected for uniform
+/// routing, 1 - (1 - k/E)^B of them — once each, every sequence's GDN state read and written and its KV read, at 4.3
+/// TB/s); then a per-kernel profile of one step at 32 sequences.
+pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()> {
+    use crate::batch::{RowWant, MAX_SEQS};
+    use crate::seq::DeviceState;
+    let m = &be.model;
+    let (g, c) = (m.gpu.clone(), &m.config);
+    let bmax = BATCHES.iter().copied().filter(|&b| b <= MAX_SEQS).max().unwrap_or(1);
+    let mut seqs = Vec::with_capacity(bmax);
+    for s in 0..bmax {
+        let mut st = DeviceState::new(m, ctx + 16)?;
+        let ids: Vec<u32> =
+            prompt_ids(ctx, c.vocab_size).iter().map(|&t| (t + s as u32) % c.vocab_size as u32).collect();
+        st.prefill(m, &ids, false, false)?;
+        seqs.push(st);
+    }
+    let n_attn = c.layer_types.iter().filter(|k| **k == LayerKind::Full).count();
+    let n_gdn = c.layer_types.len() - n_attn;
+    let (h, k, e) = (c.hidden_size, c.num_experts_per_tok, c.num_experts);
+    let i = c.moe_intermediate_size;
+    let q4 = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 4;
+    let expert = q4(2 * i, h) + q4(h, i);
+    let layers = c.layer_types.len();
+    // weights every step reads once: all but the routed experts (weight_bytes_per_token counts k of them)
+    let dense = m.weight_bytes_per_token() - layers * k * expert;
+    let gdn_state = 2 * n_gdn * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4;
+    let kv = n_attn * ctx * c.num_key_value_heads * c.head_dim * 2 * 2;
+    println!("batched decode, {ctx} tokens of context per sequence (DeviceModel::decode_seqs; no graph):");
+    println!("{:>6} {:>10} {:>10} {:>9} {:>10} {:>6}", "seqs", "ms/step", "tok/s", "experts", "ceil t/s", "%");
+    let fl = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    for &b in BATCHES.iter().filter(|&&b| b <= bmax) {
+        let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+        let want = vec![RowWant { logits: false, limit: c.vocab_size }; b];
+        let mut times = Vec::new();
+        for rep in 0..=repeats {
+            let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+            for s in refs.iter_mut() {
+                s.set_len(&g, ctx)?;
+            }
+            let a = g.stream.record_event(fl)?;
+            for _ in 0..8 {
+                m.decode_seqs(&mut refs, &ids, &want)?;
+            }
+            let z = g.stream.record_event(fl)?;
+            if rep > 0 {
+                times.push(a.elapsed_ms(&z)? as f64 / 8.0); // the first run warms up (buffers, modules)
+            }
+        }
+        let ms = median(&mut times);
+        let distinct = e as f64 * (1.0 - (1.0 - k as f64 / e as f64).powi(b as i32));
+        let bytes = dense as f64 + layers as f64 * distinct * expert as f64 + b as f64 * (gdn_state + kv) as f64;
+        let ceil = b as f64 * BW / bytes;
+        let tps = b as f64 * 1e3 / ms;
+        println!("{b:>6} {ms:>10.3} {tps:>10.0} {distinct:>9.1} {ceil:>10.0} {:>5.1}%", 100.0 * tps / ceil);
+    }
+    println!("(ceiling: bytes per step / 4.3 TB/s; experts: expected distinct routed experts per layer)");
+    let b = 32.min(bmax);
+    let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+    for s in refs.iter_mut() {
+        s.set_len(&g, ctx)?;
+    }
+    let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+    let want = vec![RowWant { logits: false, limit: c.vocab_size }; b];
+    let mut p = Profile::default();
+    m.decode_seqs_profiled(&mut refs, &ids, &want, Some(&mut p))?;
+    let total: f64 = p.ops.iter().map(|o| o.1).sum();
+    println!("batched decode profile ({b} sequences, events around each kernel family): {total:.2} ms");
+    for (name, ms, n) in &p.ops {
+        println!("  {name:<32} {n:>5} calls {ms:>9.3} ms {:>5.1}%", 100.0 * ms / total);
+    }
     Ok(())
 }
 

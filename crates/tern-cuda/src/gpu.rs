@@ -76,6 +76,9 @@ funcs! {
     gdn_step: "gdn",
     attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention",
     attn_combine: "attention",
+    // batched decode (one token for each of B sequences): see batch.rs
+    gdn_step_seqs: "gdn", attn_prep_seqs: "attention", attn_decode_kv_seqs: "attention",
+    attn_combine_seqs: "attention", argmax_seqs: "misc",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
     // multi-token (prefill) kernels: see prefill.rs

@@ -6,6 +6,7 @@
 //! as the decode steps would. `backend` puts it behind the engine's seam.
 
 pub mod backend;
+pub mod batch;
 pub mod bench;
 pub mod gpu;
 pub mod model;

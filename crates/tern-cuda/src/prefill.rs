@@ -659,23 +659,23 @@ impl GdnChunkScratch {
 /// Activation buffers of one prefill chunk of at most `cap` tokens.
 pub struct Scratch {
     pub cap: usize,
-    ids: CudaSlice<i32>,
-    x: CudaSlice<f32>,
-    xb: CudaSlice<u16>,
-    xn: CudaSlice<f32>,
-    proj: CudaSlice<f32>,
-    qkv: CudaSlice<f32>,
-    beta: CudaSlice<f32>,
-    gl: CudaSlice<f32>,
-    chunks: GdnChunkScratch,
-    o: CudaSlice<f32>,
-    qb: CudaSlice<u16>,
-    rlogits: CudaSlice<f32>,
-    idx: CudaSlice<i32>,
-    wts: CudaSlice<f32>,
-    sorted: MoeSorted,
-    act: CudaSlice<u16>,
-    ybuf: CudaSlice<f32>,
+    pub(crate) ids: CudaSlice<i32>,
+    pub(crate) x: CudaSlice<f32>,
+    pub(crate) xb: CudaSlice<u16>,
+    pub(crate) xn: CudaSlice<f32>,
+    pub(crate) proj: CudaSlice<f32>,
+    pub(crate) qkv: CudaSlice<f32>,
+    pub(crate) beta: CudaSlice<f32>,
+    pub(crate) gl: CudaSlice<f32>,
+    pub(crate) chunks: GdnChunkScratch,
+    pub(crate) o: CudaSlice<f32>,
+    pub(crate) qb: CudaSlice<u16>,
+    pub(crate) rlogits: CudaSlice<f32>,
+    pub(crate) idx: CudaSlice<i32>,
+    pub(crate) wts: CudaSlice<f32>,
+    pub(crate) sorted: MoeSorted,
+    pub(crate) act: CudaSlice<u16>,
+    pub(crate) ybuf: CudaSlice<f32>,
 }
 
 impl Scratch {
@@ -737,16 +737,29 @@ impl Scratch {
     }
 }
 
-/// The backend's prefill chunk length and its (lazily allocated) buffers, shared by all sequences.
+/// The backend's prefill chunk length and its (lazily allocated) buffers, shared by all sequences: the activation
+/// rows of a prefill chunk, which a batched decode step ([`crate::batch`]) also uses (one row per sequence), and
+/// the batched step's own tables.
 pub struct PrefillBuffers {
     pub chunk: usize,
     pub scratch: Option<Scratch>,
+    pub seqs: Option<crate::batch::SeqScratch>,
 }
 
 impl PrefillBuffers {
     pub fn new(chunk: usize) -> Mutex<PrefillBuffers> {
-        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None })
+        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None, seqs: None })
     }
+}
+
+/// The activation buffers in `slot`, holding at least `rows` rows: allocated on first use, replaced by larger ones
+/// when too small.
+pub(crate) fn scratch_rows<'a>(slot: &'a mut Option<Scratch>, m: &DeviceModel, rows: usize) -> Result<&'a mut Scratch> {
+    if slot.as_ref().is_none_or(|s| s.cap < rows) {
+        *slot = None; // free the old buffers before allocating larger ones
+        *slot = Some(Scratch::new(m, rows)?);
+    }
+    slot.as_mut().context("prefill buffers")
 }
 
 /// What a prefill returns besides the state it leaves.
@@ -792,11 +805,8 @@ impl DeviceState {
         let mut guard =
             m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
         let bufs = &mut *guard;
-        if bufs.scratch.as_ref().is_none_or(|s| s.cap < bufs.chunk) {
-            bufs.scratch = None; // free the old buffers before allocating larger ones
-            bufs.scratch = Some(Scratch::new(m, bufs.chunk)?);
-        }
-        let (chunk, sc) = (bufs.chunk, bufs.scratch.as_mut().context("prefill buffers")?);
+        let chunk = bufs.chunk;
+        let sc = scratch_rows(&mut bufs.scratch, m, chunk)?;
         let mut out = PrefillOut::default();
         if log_routes {
             out.routes = vec![Vec::with_capacity(ids.len() * c.num_experts_per_tok); c.num_layers()];
@@ -841,8 +851,6 @@ impl DeviceState {
         let pos0 = self.len;
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let d = GdnDims::of(c);
-        let (k, e) = (c.num_experts_per_tok, c.num_experts);
-        let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         mark("embed")?;
         g.embed_rows(&m.embed, ids, &mut sc.ids, &mut sc.x)?;
@@ -907,24 +915,8 @@ impl DeviceState {
                 }
                 _ => bail!("layer {li}: state does not match the model's layer kind"),
             }
-            ensure!(l.router.rows == e + 1, "layer {li}: router rows {} != experts + 1", l.router.rows);
-            mark("rmsnorm")?;
-            g.rmsnorm_rows(&sc.x, n, &l.post_norm, eps, &mut sc.xb, Some(&mut sc.xn))?;
-            mark("moe_router (f32)")?;
-            g.router_rows(&l.router, &sc.xn, n, &mut sc.rlogits)?;
-            mark("moe_topk+align")?;
-            g.topk_rows(&sc.rlogits, e, k, n, &mut sc.idx, &mut sc.wts)?;
-            if let Some(r) = route_log.as_deref_mut() {
-                let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
-                r[li].extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
-            }
-            g.moe_align(&sc.idx, n, k, e, &mut sc.sorted)?;
-            mark("moe_gate_up (gemm)")?;
-            g.moe_gate_up_rows(&l.gate_up, e, sizes, h, &sc.xb, n, k, &sc.sorted, &mut sc.act)?;
-            mark("moe_down (gemm)")?;
-            g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
-            mark("moe_combine")?;
-            g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x)?;
+            let routes = route_log.as_deref_mut().map(|r| &mut r[li]);
+            moe_rows(m, li, sc, n, routes, &mut mark)?;
         }
         if let Some(out) = all_logits {
             let v = c.vocab_size;
@@ -942,6 +934,7 @@ impl DeviceState {
         g.argmax(&self.logits, &mut self.apv, &mut self.api, &mut self.tok, &mut self.pos)?;
         mark("")?;
         self.len = pos0 + n;
+        self.pos_stale = false;
         Ok(())
     }
 
@@ -956,8 +949,44 @@ impl DeviceState {
         }
         g.stream.memcpy_htod(&[0i32], &mut self.pos)?;
         self.len = 0;
+        self.pos_stale = false;
         Ok(())
     }
+}
+
+/// The MoE block of layer `li` for the `n` rows of `sc.x` (residual added in place): post-norm, f32 router, top-k,
+/// the pairs sorted by expert, grouped gate|up + SwiGLU and down GEMMs, combine. With `routes`, the rows' routed
+/// experts are appended (`[n * k]`); `mark` names each kernel family before its launch (profiling).
+pub(crate) fn moe_rows(
+    m: &DeviceModel,
+    li: usize,
+    sc: &mut Scratch,
+    n: usize,
+    routes: Option<&mut Vec<usize>>,
+    mark: &mut dyn FnMut(&'static str) -> Result<()>,
+) -> Result<()> {
+    let (g, c, l) = (&*m.gpu, &m.config, &m.layers[li]);
+    let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+    let (k, e) = (c.num_experts_per_tok, c.num_experts);
+    let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
+    ensure!(l.router.rows == e + 1, "layer {li}: router rows {} != experts + 1", l.router.rows);
+    mark("rmsnorm")?;
+    g.rmsnorm_rows(&sc.x, n, &l.post_norm, eps, &mut sc.xb, Some(&mut sc.xn))?;
+    mark("moe_router (f32)")?;
+    g.router_rows(&l.router, &sc.xn, n, &mut sc.rlogits)?;
+    mark("moe_topk+align")?;
+    g.topk_rows(&sc.rlogits, e, k, n, &mut sc.idx, &mut sc.wts)?;
+    if let Some(r) = routes {
+        let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
+        r.extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
+    }
+    g.moe_align(&sc.idx, n, k, e, &mut sc.sorted)?;
+    mark("moe_gate_up (gemm)")?;
+    g.moe_gate_up_rows(&l.gate_up, e, sizes, h, &sc.xb, n, k, &sc.sorted, &mut sc.act)?;
+    mark("moe_down (gemm)")?;
+    g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
+    mark("moe_combine")?;
+    g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x)
 }
 
 /// FLOPs of a prefill of `n` tokens after `pos0` cached ones (matrix products, the chunked GDN and attention;

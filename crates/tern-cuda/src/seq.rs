@@ -39,6 +39,9 @@ pub struct DeviceState {
     /// ready flag for moe_gate_up (cleared by moe_down).
     pub counter: CudaSlice<u32>,
     pub layers: Vec<LState>,
+    /// The device position counter `pos` is behind `len` (a batched step advanced the sequence without it): the
+    /// batch-1 graph writes it before its next step.
+    pub pos_stale: bool,
     /// Test hook: when set (before the first step, which captures the graph), every step copies each layer's
     /// `idx` (the k routed experts + the shared one) here, `[layers, k + 1]`.
     pub route_log: Option<CudaSlice<i32>>,
@@ -113,6 +116,7 @@ impl DeviceState {
             api: g.zeros(nb)?,
             counter: g.zeros(crate::gpu::MOE_COUNTER_LEN)?,
             layers,
+            pos_stale: false,
             route_log: None,
             graph: None,
         })
@@ -151,6 +155,7 @@ impl DeviceState {
             api: g.stream.clone_dtod(&self.api)?,
             counter: g.zeros(crate::gpu::MOE_COUNTER_LEN)?,
             layers,
+            pos_stale: self.pos_stale,
             route_log: None,
             graph: None,
         })
@@ -251,6 +256,7 @@ impl DeviceState {
     /// Capture the step in a CUDA graph (once) and replay it.
     pub fn step_graph(&mut self, m: &DeviceModel) -> Result<()> {
         ensure!(self.len < self.max_ctx, "context full ({} tokens)", self.max_ctx);
+        self.sync_pos(&m.gpu)?;
         if self.graph.is_none() {
             let s = m.gpu.stream.clone();
             s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
@@ -267,8 +273,18 @@ impl DeviceState {
     /// One step without a graph (optionally profiled).
     pub fn step_plain(&mut self, m: &DeviceModel, prof: Option<&mut Profile>) -> Result<()> {
         ensure!(self.len < self.max_ctx, "context full ({} tokens)", self.max_ctx);
+        self.sync_pos(&m.gpu)?;
         self.enqueue_step(m, prof)?;
         self.len += 1;
+        Ok(())
+    }
+
+    /// Bring the device position counter up to `len` if a batched step left it behind.
+    fn sync_pos(&mut self, g: &Gpu) -> Result<()> {
+        if self.pos_stale {
+            g.stream.memcpy_htod(&[self.len as i32], &mut self.pos)?;
+            self.pos_stale = false;
+        }
         Ok(())
     }
 
@@ -282,6 +298,7 @@ impl DeviceState {
         ensure!(len < self.max_ctx, "set_len: {len} >= capacity {}", self.max_ctx);
         g.stream.memcpy_htod(&[len as i32], &mut self.pos)?;
         self.len = len;
+        self.pos_stale = false;
         Ok(())
     }
 
@@ -305,11 +322,19 @@ pub struct CudaOptions {
     pub max_context: usize,
     /// Tokens one prefill pass reads at most (longer reads go in chunks of this many).
     pub prefill_chunk: usize,
+    /// Decode items of a step (one token each) go through one batched pass ([`crate::batch`]) when there are two or
+    /// more; otherwise each through its own batch-1 graph. Default: off, or `TERN_BATCH_DECODE=1` — the batched
+    /// step has not yet run on a GPU (see docs/cuda-notes.md, "Batched decode").
+    pub batched_decode: bool,
 }
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { max_context: 8192, prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK }
+        CudaOptions {
+            max_context: 8192,
+            prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
+            batched_decode: std::env::var("TERN_BATCH_DECODE").is_ok_and(|v| v == "1"),
+        }
     }
 }
 

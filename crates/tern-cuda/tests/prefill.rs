@@ -741,7 +741,10 @@ fn full_shape_prefill_vs_cpu() {
              {same}/{dec} where the CPU's top-2 gap > 2%; at {:.0?}",
             t0.elapsed()
         );
-        assert!(hx <= yx && same == dec, "full shape held routing: median {hm} max {hx} (bound {yx}); argmax {same}/{dec}");
+        assert!(
+            hx <= yx && same == dec,
+            "full shape held routing: median {hm} max {hx} (bound {yx}); argmax {same}/{dec}"
+        );
     }
     if which != "held" {
         // Free routing: where a token's router scores are near a tie, the GPU's bf16 activations may pick another

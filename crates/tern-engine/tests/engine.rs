@@ -165,8 +165,8 @@ fn max_queue_zero_is_no_waiting_room() {
     assert!(matches!(running.recv().unwrap(), Event::Token { .. }));
     assert_eq!(engine.submit(greedy(vec![3], 2)).unwrap_err(), SubmitError::QueueFull { waiting: 0 });
     drop(running); // cancelled at its next step: the slot frees
-    // Wait on `admitted` (what `submit` checks), not `active`: `active` is published after a step, so it can
-    // still read 0 from before the first step while the request holds its slot.
+                   // Wait on `admitted` (what `submit` checks), not `active`: `active` is published after a step, so it can
+                   // still read 0 from before the first step while the request holds its slot.
     let t0 = Instant::now();
     while engine.stats.admitted.load(std::sync::atomic::Ordering::SeqCst) != 0 {
         assert!(t0.elapsed() < Duration::from_secs(10), "cancelled sequence still active");

@@ -18,13 +18,19 @@
 //                Bytes 2*(pos+1)*nkv*hd*2 + nh*hd*4. FLOPs 4*(pos+1)*nh*hd.
 // attn_combine : merges the partials per head (only the non-empty prefix of splits; blockDim/hd thread groups
 //                share the splits) and applies the sigmoid output gate -> o f32 [nh*hd].
+// *_seqs       : the same three for B sequences of a batched decode step, grid dimension z (attn_decode_kv_seqs)
+//                or y (the others) = row r: proj row r (stride ldp), q/partials/output row r, position posv[r] (host
+//                uploaded before the step), row r's K/V cache of this layer from the pointer tables kc[r] / vc[r];
+//                attn_combine_seqs writes bf16 rows (stride ldo) for the o_proj GEMM. attn_decode_kv_seqs needs
+//                nh/nkv <= 8.
 #include "common.cuh"
 
-extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float* __restrict__ qn,
-                                     const float* __restrict__ kn, const int* __restrict__ pos_ptr, int nh, int nkv,
-                                     int hd, int rd, float theta, float eps, float* __restrict__ qbuf,
-                                     __nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc) {
-    KTRACE(30);
+
+__device__ __forceinline__ void attn_prep_body(const float* __restrict__ proj, const float* __restrict__ qn,
+                                               const float* __restrict__ kn, const int* __restrict__ pos_ptr, int nh,
+                                               int nkv, int hd, int rd, float theta, float eps,
+                                               float* __restrict__ qbuf, __nv_bfloat16* __restrict__ kc,
+                                               __nv_bfloat16* __restrict__ vc) {
     __shared__ float red[32];
     __shared__ float xs[256];
     const int bh = blockIdx.x, d = threadIdx.x;
@@ -53,6 +59,25 @@ extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float
         kc[row] = __float2bfloat16(y);
         vc[row] = __float2bfloat16(proj[nh * 2 * hd + nkv * hd + kvh * hd + d]);
     }
+}
+
+extern "C" __global__ void attn_prep(const float* __restrict__ proj, const float* __restrict__ qn,
+                                     const float* __restrict__ kn, const int* __restrict__ pos_ptr, int nh, int nkv,
+                                     int hd, int rd, float theta, float eps, float* __restrict__ qbuf,
+                                     __nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc) {
+    KTRACE(30);
+    attn_prep_body(proj, qn, kn, pos_ptr, nh, nkv, hd, rd, theta, eps, qbuf, kc, vc);
+}
+
+extern "C" __global__ void attn_prep_seqs(const float* __restrict__ proj, int ldp, const float* __restrict__ qn,
+                                          const float* __restrict__ kn, const int* __restrict__ posv, int nh, int nkv,
+                                          int hd, int rd, float theta, float eps, float* __restrict__ qbuf,
+                                          const unsigned long long* __restrict__ kc,
+                                          const unsigned long long* __restrict__ vc) {
+    KTRACE(34);
+    const int r = blockIdx.y;
+    attn_prep_body(proj + (long)r * ldp, qn, kn, posv + r, nh, nkv, hd, rd, theta, eps, qbuf + (long)r * nh * hd,
+                   reinterpret_cast<__nv_bfloat16*>(kc[r]), reinterpret_cast<__nv_bfloat16*>(vc[r]));
 }
 
 #define ATT_T 8          // keys per batch: their K and V loads are all in flight before the first use
@@ -336,9 +361,20 @@ extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv(
     attn_decode_kv_body<true>(qbuf, kc, vc, pos_ptr, nh, nkv, hd, scale, part);
 }
 
-extern "C" __global__ void attn_combine(const float* __restrict__ part, const float* __restrict__ proj, int nsplit,
-                                        int hd, float* __restrict__ o) {
-    KTRACE(33);
+extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv_seqs(
+    const float* __restrict__ qbuf, const unsigned long long* __restrict__ kc,
+    const unsigned long long* __restrict__ vc, const int* __restrict__ posv, int nh, int nkv, int hd, float scale,
+    float* __restrict__ part) {
+    KTRACE(35);
+    const int r = blockIdx.z;
+    attn_decode_kv_body<true>(qbuf + (long)r * nh * hd, reinterpret_cast<const __nv_bfloat16*>(kc[r]),
+                              reinterpret_cast<const __nv_bfloat16*>(vc[r]), posv + r, nh, nkv, hd, scale,
+                              part + (long)r * nh * gridDim.y * (hd + 2));
+}
+
+template <typename OutT>
+__device__ __forceinline__ void attn_combine_body(const float* __restrict__ part, const float* __restrict__ proj,
+                                                  int nsplit, int hd, OutT* __restrict__ o) {
     pdl_wait();
     // nsplit <= 1024. Non-empty splits form a prefix 0..na (attn_decode); the block's threads are
     // blockDim/hd groups, each summing an interleaved subset of the splits for every dim d, merged in smem.
@@ -384,6 +420,20 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part, const fl
         float num = 0.f;
         for (int g = 0; g < groups; g++) num += acc[g * hd + threadIdx.x];
         float gate = proj[h * 2 * hd + hd + threadIdx.x];
-        o[h * hd + threadIdx.x] = num / den * sigmoid_f(gate);
+        o[h * hd + threadIdx.x] = to_act<OutT>(num / den * sigmoid_f(gate));
     }
+}
+
+extern "C" __global__ void attn_combine(const float* __restrict__ part, const float* __restrict__ proj, int nsplit,
+                                        int hd, float* __restrict__ o) {
+    KTRACE(33);
+    attn_combine_body<float>(part, proj, nsplit, hd, o);
+}
+
+extern "C" __global__ void attn_combine_seqs(const float* __restrict__ part, const float* __restrict__ proj, int ldp,
+                                             int nsplit, int hd, __nv_bfloat16* __restrict__ o, int ldo) {
+    KTRACE(36);
+    const int r = blockIdx.y, nh = gridDim.x;
+    attn_combine_body<__nv_bfloat16>(part + (long)r * nh * nsplit * (hd + 2), proj + (long)r * ldp, nsplit, hd,
+                                     o + (long)r * ldo);
 }

@@ -162,6 +162,13 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 }
 
 __device__ __forceinline__ float bf(const __nv_bfloat16 v) { return __bfloat162float(v); }
+// An f32 result as the element type of an activation buffer (f32 for the decode GEMVs, bf16 for the GEMMs).
+template <typename T>
+__device__ __forceinline__ T to_act(float v);
+template <>
+__device__ __forceinline__ float to_act<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_act<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 // Fast exponentials (ex2.approx, ~2 ulp + |x| 2^-21 relative): the full-precision expf is ~10x the code, and code
 // size matters here (instruction-cache misses were the largest stall of the decode kernels).
 __device__ __forceinline__ float silu_f(float x) { return __fdividef(x, 1.f + __expf(-x)); }

@@ -11,18 +11,23 @@
 // Inputs: proj = [conv_dim (q|k|v) | value_dim (z) | Hv (b) | Hv (a)] f32; conv_w [conv_dim, K] f32;
 // ring [K, conv_dim] f32 (slot p % K holds the pre-conv input of position p); pos: device position counter.
 // Bytes per call: state 2 * Hv*dk*dv*4 (read+write) + ~(K+1)*conv_dim*4. FLOPs ~ 6*Hv*dk*dv.
+// gdn_step_seqs: the same step for B sequences of a batched decode step (grid z = row r): proj row r (stride
+// ldp), ring and state of row r's sequence from the pointer tables rings[r] / states[r], position posv[r]
+// (uploaded by the host before the step, so it may be read before the dependency wait), output bf16 row r
+// (stride ldo) for the out_proj GEMM.
 #include "common.cuh"
 #include <cooperative_groups.h>
 namespace cg = cooperative_groups;
 
 #define MAXR 32  // dk <= 4 * MAXR = 128
 
-extern "C" __global__ void __launch_bounds__(128) gdn_step(
+
+template <typename OutT>
+__device__ __forceinline__ void gdn_step_body(
     const float* __restrict__ proj, const float* __restrict__ conv_w, float* __restrict__ ring,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
-    float* __restrict__ out, const int* __restrict__ pos_ptr, const float* __restrict__ norm, float eps, int Hk, int Hv,
+    OutT* __restrict__ out, const int* __restrict__ pos_ptr, const float* __restrict__ norm, float eps, int Hk, int Hv,
     int dk, int dv, int K) {
-    KTRACE(20);
     __shared__ float ssq;  // this block's sum of o^2 over its 32 columns (read by the cluster)
     __shared__ float red[2][4];
     __shared__ float qs[128], ks[128];
@@ -131,6 +136,27 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     cluster.sync();  // every block of the head has its ssq
     float ss = 0.f;
     for (unsigned int r = 0; r < cluster.num_blocks(); r++) ss += *cluster.map_shared_rank(&ssq, r);
-    if (warp == 0 && active) out[h * dv + col] = o * rsqrtf(ss / dv + eps) * gn * silu_f(xz);
+    if (warp == 0 && active) out[h * dv + col] = to_act<OutT>(o * rsqrtf(ss / dv + eps) * gn * silu_f(xz));
     cluster.sync();  // no block leaves while another may still read its ssq
+}
+
+extern "C" __global__ void __launch_bounds__(128) gdn_step(
+    const float* __restrict__ proj, const float* __restrict__ conv_w, float* __restrict__ ring,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
+    float* __restrict__ out, const int* __restrict__ pos_ptr, const float* __restrict__ norm, float eps, int Hk, int Hv,
+    int dk, int dv, int K) {
+    KTRACE(20);
+    gdn_step_body<float>(proj, conv_w, ring, a_log, dt_bias, state, out, pos_ptr, norm, eps, Hk, Hv, dk, dv, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) gdn_step_seqs(
+    const float* __restrict__ proj, int ldp, const float* __restrict__ conv_w,
+    const unsigned long long* __restrict__ rings, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const unsigned long long* __restrict__ states, __nv_bfloat16* __restrict__ out, int ldo,
+    const int* __restrict__ posv, const float* __restrict__ norm, float eps, int Hk, int Hv, int dk, int dv, int K) {
+    KTRACE(21);
+    const int r = blockIdx.z;
+    gdn_step_body<__nv_bfloat16>(proj + (long)r * ldp, conv_w, reinterpret_cast<float*>(rings[r]), a_log, dt_bias,
+                                 reinterpret_cast<float*>(states[r]), out + (long)r * ldo, posv + r, norm, eps, Hk, Hv,
+                                 dk, dv, K);
 }

@@ -1,0 +1,395 @@
+//! Batched decode: one token for each of up to [`MAX_SEQS`] sequences in one pass of kernels per layer, so that
+//! every weight is read once per step for all of them instead of once per sequence.
+//!
+//! The token-independent work runs over the B rows with the prefill kernels (tensor-core GEMMs for every
+//! projection and the lm_head, the f32 router, the grouped MoE GEMMs); the per-sequence work runs in one launch
+//! for all rows with the decode kernels' `_seqs` variants (crates/tern-kernels/cuda/{gdn,attention}.cu), which
+//! take each row's recurrent state, conv ring and K/V cache from pointer tables and its position from a device
+//! array the host uploads before the step:
+//! - GDN: rmsnorm_rows → gemm_q4 (in_proj) → gdn_step_seqs (conv, gates, delta rule, gated norm → bf16) →
+//!   gemm_q4 (out_proj, + residual).
+//! - Attention: rmsnorm_rows → gemm_q4 (q|gate, k, v) → attn_prep_seqs (norms, RoPE, K/V row at the position) →
+//!   attn_decode_kv_seqs (flash-decoding splits over keys 0..=pos) → attn_combine_seqs (+ output gate → bf16) →
+//!   gemm_q4 (o_proj, + residual).
+//! - MoE: as the prefill ([`crate::prefill::moe_rows`]).
+//! - Then the final norm, the lm_head GEMM into `[B, vocab]` logits and argmax_seqs.
+//!
+//! GEMM inputs are bf16 (the batch-1 decode graph keeps f32 activations), so a sequence's logits in a batch
+//! differ from its logits alone by bf16 rounding, as the prefill's do. The step leaves each sequence's length
+//! advanced by one and its device position counter stale ([`DeviceState::pos_stale`]: the batch-1 graph
+//! refreshes it before its next step).
+
+use anyhow::{bail, ensure, Context, Result};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaView, DevicePtr};
+
+use crate::gpu::{cfg, Gpu};
+use crate::model::{DMixer, DeviceModel};
+use crate::prefill::{moe_rows, scratch_rows, GdnDims, PrefillBuffers};
+use crate::seq::{DeviceState, LState, Profile};
+
+/// The most sequences one batched step takes (a larger batch is split by the caller).
+pub const MAX_SEQS: usize = 64;
+/// The most flash-decoding splits per (sequence, kv head) in a batched step.
+const MAX_SPLIT: usize = 32;
+
+/// What a batched step should return for one row.
+#[derive(Clone, Copy, Debug)]
+pub struct RowWant {
+    /// The whole logits row.
+    pub logits: bool,
+    /// The argmax is taken over ids below this (the tokenizer's ids; rows past it are embedding padding).
+    pub limit: usize,
+}
+
+/// What a batched step returns for one row.
+#[derive(Debug)]
+pub struct RowOut {
+    /// The argmax over ids below the row's limit (ties → lower id).
+    pub argmax: u32,
+    /// The logits, when asked for.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// The batched step's own buffers (the activation rows are the prefill's [`crate::prefill::Scratch`]): positions,
+/// the per-layer pointer tables, attention queries and split partials, logits and argmax of [`MAX_SEQS`] rows.
+pub struct SeqScratch {
+    posv: CudaSlice<i32>,
+    /// `[layers, MAX_SEQS]`: GDN conv ring / attention K cache of each row's sequence.
+    tab_a: CudaSlice<u64>,
+    /// `[layers, MAX_SEQS]`: GDN recurrent state / attention V cache.
+    tab_b: CudaSlice<u64>,
+    qbuf: CudaSlice<f32>,
+    part: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+}
+
+impl SeqScratch {
+    pub fn new(m: &DeviceModel) -> Result<SeqScratch> {
+        let (g, c) = (&*m.gpu, &m.config);
+        let (nh, hd) = (c.num_attention_heads, c.head_dim);
+        let n = MAX_SEQS;
+        let alloc = || -> Result<SeqScratch> {
+            Ok(SeqScratch {
+                posv: g.zeros(n)?,
+                tab_a: g.zeros(m.layers.len() * n)?,
+                tab_b: g.zeros(m.layers.len() * n)?,
+                qbuf: g.zeros(n * nh * hd)?,
+                part: g.zeros(n * nh * MAX_SPLIT * (hd + 2))?,
+                logits: g.zeros(n * c.vocab_size)?,
+                ids: g.zeros(n)?,
+            })
+        };
+        alloc().context("cannot allocate the batched decode buffers (out of device memory?)")
+    }
+
+    /// Device bytes these buffers hold.
+    pub fn bytes(&self) -> usize {
+        4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len() + self.ids.len())
+            + 8 * (self.tab_a.len() + self.tab_b.len())
+    }
+}
+
+/// Flash-decoding splits for `n` rows whose longest context is `max_len` keys: enough blocks to fill the chip
+/// (rows × kv heads × splits ≥ 2 per SM), at least 16 keys per split, at most [`MAX_SPLIT`].
+fn splits(g: &Gpu, n: usize, nkv: usize, max_len: usize) -> usize {
+    let fill = (2 * g.sms as usize).div_ceil(n * nkv);
+    fill.min(max_len.div_ceil(16)).clamp(1, MAX_SPLIT)
+}
+
+impl DeviceModel {
+    /// Read one token for each sequence (`ids[r]` into `seqs[r]`, distinct sequences) in one batched pass; every
+    /// row's argmax comes back (4 bytes a row cross to the host; the row itself only when asked for, or when the
+    /// argmax over the whole vocabulary lands at or past the row's limit). Input and shape checks come first and
+    /// change nothing; a failed launch leaves the sequences' states undefined.
+    pub fn decode_seqs(&self, seqs: &mut [&mut DeviceState], ids: &[u32], want: &[RowWant]) -> Result<Vec<RowOut>> {
+        self.decode_seqs_profiled(seqs, ids, want, None)
+    }
+
+    /// [`DeviceModel::decode_seqs`]; with `prof`, every launch is bracketed by events and timed by kernel family.
+    pub fn decode_seqs_profiled(
+        &self,
+        seqs: &mut [&mut DeviceState],
+        ids: &[u32],
+        want: &[RowWant],
+        prof: Option<&mut Profile>,
+    ) -> Result<Vec<RowOut>> {
+        let (g, c) = (&*self.gpu, &self.config);
+        let n = seqs.len();
+        ensure!(n > 0 && n <= MAX_SEQS, "a batched decode step takes 1..={MAX_SEQS} sequences, not {n}");
+        ensure!(
+            ids.len() == n && want.len() == n,
+            "decode_seqs: {n} sequences, {} ids, {} wants",
+            ids.len(),
+            want.len()
+        );
+        let vocab = c.vocab_size;
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            bail!("token id {bad} is outside the vocabulary (size {vocab})");
+        }
+        for s in seqs.iter() {
+            ensure!(s.len < s.max_ctx, "context full ({} tokens)", s.max_ctx);
+            ensure!(s.layers.len() == self.layers.len(), "a sequence of another model");
+        }
+        let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let nl = self.layers.len();
+        // per-layer pointer tables, [layer][row]
+        let (mut ta, mut tb) = (vec![0u64; nl * n], vec![0u64; nl * n]);
+        for (r, s) in seqs.iter().enumerate() {
+            for (li, (l, ls)) in self.layers.iter().zip(&s.layers).enumerate() {
+                let (a, b) = match (&l.mixer, ls) {
+                    (DMixer::Gdn { .. }, LState::Gdn { ring, s }) => (ptr(g, ring), ptr(g, s)),
+                    (DMixer::Attn { .. }, LState::Attn { k, v }) => (ptr(g, k), ptr(g, v)),
+                    _ => bail!("layer {li}: state does not match the model's layer kind"),
+                };
+                ta[li * n + r] = a;
+                tb[li * n + r] = b;
+            }
+        }
+        let posv: Vec<i32> = seqs.iter().map(|s| s.len as i32).collect();
+        let max_len = seqs.iter().map(|s| s.len + 1).max().unwrap_or(1);
+        let ns = splits(g, n, nkv, max_len);
+
+        let mut guard =
+            self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
+        let PrefillBuffers { chunk, scratch, seqs: seq_scratch } = &mut *guard;
+        let sc = scratch_rows(scratch, self, n.max(*chunk))?;
+        if seq_scratch.is_none() {
+            *seq_scratch = Some(SeqScratch::new(self)?);
+        }
+        let sq = seq_scratch.as_mut().context("batched decode buffers")?;
+        g.stream.memcpy_htod(&posv, &mut sq.posv.slice_mut(..n))?;
+        g.stream.memcpy_htod(&ta, &mut sq.tab_a.slice_mut(..nl * n))?;
+        g.stream.memcpy_htod(&tb, &mut sq.tab_b.slice_mut(..nl * n))?;
+
+        // profiling: an event before each kernel family's launch (the name is the family that follows)
+        let mut events: Vec<(&'static str, CudaEvent)> = Vec::new();
+        let timed = prof.is_some();
+        let mut mark = |name: &'static str| -> Result<()> {
+            if timed {
+                events.push((name, g.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?));
+            }
+            Ok(())
+        };
+        mark("embed")?;
+        g.embed_rows(&self.embed, ids, &mut sc.ids, &mut sc.x)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            let (ta, tb) = (sq.tab_a.slice(li * n..(li + 1) * n), sq.tab_b.slice(li * n..(li + 1) * n));
+            mark("rmsnorm")?;
+            g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
+            match &l.mixer {
+                DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
+                    let ldp = proj.rows;
+                    mark("gdn_in_proj (gemm)")?;
+                    g.gemm_q4(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    mark("gdn_step_seqs")?;
+                    let st = (&ta, &tb, &sq.posv);
+                    g.gdn_step_seqs(&sc.proj, ldp, conv, a_log, dt_bias, st, n, norm, eps, d, &mut sc.xb)?;
+                    mark("gdn_out_proj (gemm)")?;
+                    g.gemm_q4(out, &sc.xb, n, &mut sc.x, h, true)?;
+                }
+                DMixer::Attn { qkv, o, qn, kn } => {
+                    let ldp = qkv.rows;
+                    mark("attn_qkv (gemm)")?;
+                    g.gemm_q4(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
+                    let kv = (&ta, &tb, &sq.posv);
+                    mark("attn_seqs (prep+decode+combine)")?;
+                    g.attn_prep_seqs(&sc.proj, ldp, qn, kn, kv, n, dims, theta, eps, &mut sq.qbuf)?;
+                    g.attn_decode_seqs(&sq.qbuf, kv, n, (nh, nkv, hd), ns, &mut sq.part)?;
+                    g.attn_combine_seqs(&sq.part, &sc.proj, ldp, n, nh, hd, ns, &mut sc.xb)?;
+                    mark("attn_o_proj (gemm)")?;
+                    g.gemm_q4(o, &sc.xb, n, &mut sc.x, h, true)?;
+                }
+            }
+            moe_rows(self, li, sc, n, None, &mut mark)?;
+        }
+        mark("lm_head (gemm) + argmax")?;
+        g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
+        g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, vocab, false)?;
+        g.argmax_seqs(&sq.logits, n, vocab, &mut sq.ids)?;
+        mark("")?;
+
+        let argmax = g.stream.clone_dtoh(&sq.ids.slice(..n))?;
+        let mut out = Vec::with_capacity(n);
+        for (r, (w, &a)) in want.iter().zip(&argmax).enumerate() {
+            let limit = w.limit.clamp(1, vocab);
+            let (a, past) = (a.max(0) as usize, a as usize >= limit);
+            let logits = match w.logits || past {
+                true => Some(g.stream.clone_dtoh(&sq.logits.slice(r * vocab..(r + 1) * vocab))?),
+                false => None,
+            };
+            let argmax = match (&logits, past) {
+                (Some(l), true) => l[..limit].iter().enumerate().fold(0, |b, (i, &v)| if v > l[b] { i } else { b }),
+                _ => a,
+            };
+            out.push(RowOut { argmax: argmax as u32, logits: if w.logits { logits } else { None } });
+        }
+        g.stream.synchronize()?;
+        if let Some(p) = prof {
+            for w in events.windows(2) {
+                let ((name, a), (_, b)) = (&w[0], &w[1]);
+                if !name.is_empty() {
+                    p.add(name, a.elapsed_ms(b)? as f64);
+                }
+            }
+        }
+        for s in seqs.iter_mut() {
+            s.len += 1;
+            s.pos_stale = true;
+        }
+        Ok(out)
+    }
+}
+
+/// The per-row tables of a batched step's layer: the two state pointers of each row's sequence (GDN: conv ring,
+/// recurrent state; attention: K cache, V cache) and the rows' positions.
+pub type SeqTables<'a> = (&'a CudaView<'a, u64>, &'a CudaView<'a, u64>, &'a CudaSlice<i32>);
+
+/// A buffer's device address (for the pointer tables).
+fn ptr<T>(g: &Gpu, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(&g.stream).0
+}
+
+impl Gpu {
+    /// [`Gpu::gdn_step`] for `n` sequences: row r's projections `proj[r]` (stride `ldp`), its conv ring and state
+    /// at `rings[r]` / `states[r]`, its position `posv[r]`; output bf16 rows of `hv * dv` into `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_step_seqs(
+        &self,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        conv_w: &CudaSlice<f32>,
+        a_log: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        (rings, states, posv): SeqTables,
+        n: usize,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        d: GdnDims,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let conv_dim = d.conv_dim();
+        let vd = d.hv * d.dv;
+        ensure!(d.dk <= 128 && d.dv <= 256 && d.hv % d.hk == 0 && d.taps >= 1, "gdn_step_seqs: dims");
+        ensure!(n > 0 && n <= 65535, "gdn_step_seqs: {n} rows");
+        ensure!(ldp >= conv_dim + vd + 2 * d.hv && proj.len() >= (n - 1) * ldp + ldp, "gdn_step_seqs: proj");
+        ensure!(conv_w.len() == conv_dim * d.taps && a_log.len() >= d.hv && dt_bias.len() >= d.hv, "gdn_step_seqs");
+        ensure!(norm.len() >= d.dv && out.len() >= n * vd, "gdn_step_seqs: norm / out");
+        ensure!(rings.len() >= n && states.len() >= n && posv.len() >= n, "gdn_step_seqs: tables");
+        let v = [ldp, vd, d.hk, d.hv, d.dk, d.dv, d.taps].map(|v| v as i32);
+        let chunks = d.dv.div_ceil(32) as u32;
+        let mut l = self.launcher(&self.f.gdn_step_seqs);
+        l.arg(proj).arg(&v[0]).arg(conv_w).arg(rings).arg(a_log).arg(dt_bias).arg(states).arg(&*out).arg(&v[1]);
+        l.arg(posv).arg(norm).arg(&eps).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&v[6]);
+        l.cluster = Some((1, chunks, 1));
+        let mut lc = cfg((d.hv as u32, chunks), 128, 0);
+        lc.grid_dim.2 = n as u32;
+        // SAFETY: matches gdn_step_seqs in gdn.cu; proj holds n rows of stride ldp, out n rows of hv*dv; the tables
+        // hold n pointers to whole rings ([taps, conv_dim] f32) and states ([hv, dk, dv] f32) of live sequences
+        // (DeviceModel::decode_seqs builds them from the sequences' own buffers); clusters of the dv/32 blocks of a
+        // head (<= 8).
+        unsafe { l.launch(lc) }?;
+        Ok(())
+    }
+
+    /// [`Gpu::attn_prep`] for `n` sequences: q → `qbuf` rows (f32, `nh * hd`), k/v → row `posv[r]` of the caches
+    /// at `kc[r]` / `vc[r]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_prep_seqs(
+        &self,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        qn: &CudaSlice<f32>,
+        kn: &CudaSlice<f32>,
+        (kc, vc, posv): SeqTables,
+        n: usize,
+        (nh, nkv, hd, rd): (usize, usize, usize, usize),
+        theta: f32,
+        eps: f32,
+        qbuf: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(hd <= 256 && hd % 32 == 0 && rd <= hd && rd % 2 == 0 && nkv > 0, "attn_prep_seqs: dims");
+        let rows = (2 * nh + 2 * nkv) * hd;
+        ensure!(n > 0 && n <= 65535 && ldp >= rows && proj.len() >= (n - 1) * ldp + rows, "attn_prep_seqs: proj");
+        ensure!(qn.len() >= hd && kn.len() >= hd && qbuf.len() >= n * nh * hd, "attn_prep_seqs: buffers");
+        ensure!(kc.len() >= n && vc.len() >= n && posv.len() >= n, "attn_prep_seqs: tables");
+        let v = [ldp, nh, nkv, hd, rd].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.attn_prep_seqs);
+        l.arg(proj).arg(&v[0]).arg(qn).arg(kn).arg(posv).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&theta);
+        l.arg(&eps).arg(&*qbuf).arg(kc).arg(vc);
+        // SAFETY: matches attn_prep_seqs in attention.cu; grid (nh + nkv, n) of hd threads; the caches in the tables
+        // belong to live sequences whose position posv[r] is below their capacity (decode_seqs checks len < max_ctx).
+        unsafe { l.launch(cfg(((nh + nkv) as u32, n as u32), hd as u32, 0)) }?;
+        Ok(())
+    }
+
+    /// [`Gpu::attn_decode`] (the per-kv-head kernel) for `n` sequences over their keys `0..=posv[r]`: partials
+    /// `[n, nh, nsplit, hd + 2]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_decode_seqs(
+        &self,
+        qbuf: &CudaSlice<f32>,
+        (kc, vc, posv): SeqTables,
+        n: usize,
+        (nh, nkv, hd): (usize, usize, usize),
+        nsplit: usize,
+        part: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        ensure!(hd <= 256 && hd % 8 == 0 && nkv > 0 && nh % nkv == 0 && nh / nkv <= 8, "attn_decode_seqs: dims");
+        ensure!(
+            (1..=65535).contains(&n) && (1..=1024).contains(&nsplit),
+            "attn_decode_seqs: {n} rows, {nsplit} splits"
+        );
+        ensure!(qbuf.len() >= n * nh * hd && part.len() >= n * nh * nsplit * (hd + 2), "attn_decode_seqs: buffers");
+        ensure!(kc.len() >= n && vc.len() >= n && posv.len() >= n, "attn_decode_seqs: tables");
+        let scale = 1.0 / (hd as f32).sqrt();
+        let v = [nh, nkv, hd].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.attn_decode_kv_seqs);
+        l.arg(qbuf).arg(kc).arg(vc).arg(posv).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&scale).arg(&*part);
+        let mut lc = cfg((nkv as u32, nsplit as u32), 128, 0);
+        lc.grid_dim.2 = n as u32;
+        // SAFETY: matches attn_decode_kv_seqs (4 warps, static smem) in attention.cu; group <= 8 and hd <= 256
+        // checked; keys 0..=posv[r] were written (attn_prep_seqs wrote row posv[r]; earlier rows by earlier steps).
+        unsafe { l.launch(lc) }?;
+        Ok(())
+    }
+
+    /// [`Gpu::attn_combine`] for `n` sequences: bf16 rows of `nh * hd` (gate from `proj` rows of stride `ldp`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_combine_seqs(
+        &self,
+        part: &CudaSlice<f32>,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        n: usize,
+        nh: usize,
+        hd: usize,
+        nsplit: usize,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        ensure!(nsplit <= 1024 && hd <= 1024 && (1..=65535).contains(&n), "attn_combine_seqs: dims");
+        ensure!(part.len() >= n * nh * nsplit * (hd + 2) && out.len() >= n * nh * hd, "attn_combine_seqs: buffers");
+        ensure!(ldp >= 2 * nh * hd && proj.len() >= (n - 1) * ldp + 2 * nh * hd, "attn_combine_seqs: proj");
+        let (ldpi, ns, hdi, ldo) = (ldp as i32, nsplit as i32, hd as i32, (nh * hd) as i32);
+        let mut l = self.launcher(&self.f.attn_combine_seqs);
+        l.arg(part).arg(proj).arg(&ldpi).arg(&ns).arg(&hdi).arg(&*out).arg(&ldo);
+        // SAFETY: matches attn_combine_seqs in attention.cu; grid (nh, n) of 1024 threads (1024 / hd groups); shapes
+        // checked above.
+        unsafe { l.launch(cfg((nh as u32, n as u32), 1024, 0)) }?;
+        Ok(())
+    }
+
+    /// `ids[r] = argmax(logits[r])` for `n` rows of `cols` (ties → lower index).
+    pub fn argmax_seqs(&self, logits: &CudaSlice<f32>, n: usize, cols: usize, ids: &mut CudaSlice<i32>) -> Result<()> {
+        ensure!((1..=65535).contains(&n) && cols > 0 && cols <= i32::MAX as usize, "argmax_seqs: {n} x {cols}");
+        ensure!(logits.len() >= n * cols && ids.len() >= n, "argmax_seqs: buffers");
+        let c = cols as i32;
+        let mut l = self.launcher(&self.f.argmax_seqs);
+        l.arg(logits).arg(&c).arg(&*ids);
+        // SAFETY: matches argmax_seqs in misc.cu; one block per row, rows < n inside logits and ids (checked).
+        unsafe { l.launch(cfg((n as u32, 1), 1024, 0)) }?;
+        Ok(())
+    }
+}
