@@ -22,15 +22,27 @@
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaView, DevicePtr};
 
+use crate::gpu::Experts;
 use crate::gpu::{cfg, Gpu};
 use crate::model::{DMixer, DeviceModel};
-use crate::prefill::{moe_rows, scratch_rows, GdnDims, PrefillBuffers};
+use crate::prefill::{log2_exact, moe_rows, scratch_rows, GdnDims, MoeExperts, MoeSorted, PrefillBuffers, SMEM_MAX};
 use crate::seq::{DeviceState, LState, Profile};
 
 /// The most sequences one batched step takes (a larger batch is split by the caller).
 pub const MAX_SEQS: usize = 64;
 /// The most flash-decoding splits per (sequence, kv head) in a batched step.
 const MAX_SPLIT: usize = 32;
+/// j per block and tokens per pass of moe_gate_up_seqs, output rows per block and tokens per pass of moe_down_seqs
+/// (GU_J, GU_TG, DS_RB, DS_TG in moe_seqs.cu).
+const GU_J: usize = 16;
+const GU_TG: usize = 4;
+const DS_RB: usize = 64;
+const DS_TG: usize = 8;
+
+/// Length of a shared-memory vector of `n` floats padded by 4 every 32 (`padx_len` in common.cuh).
+fn padx_len(n: usize) -> usize {
+    n + (n >> 5) * 4 + 4
+}
 
 /// What a batched step should return for one row.
 #[derive(Clone, Copy, Debug)]
@@ -62,12 +74,15 @@ pub struct SeqScratch {
     part: CudaSlice<f32>,
     logits: CudaSlice<f32>,
     ids: CudaSlice<i32>,
+    /// SwiGLU activations of the streamed MoE, `[MAX_SEQS * (k + 1), max(I, Is)]` f32.
+    act: CudaSlice<f32>,
 }
 
 impl SeqScratch {
     pub fn new(m: &DeviceModel) -> Result<SeqScratch> {
         let (g, c) = (&*m.gpu, &m.config);
         let (nh, hd) = (c.num_attention_heads, c.head_dim);
+        let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
         let n = MAX_SEQS;
         let alloc = || -> Result<SeqScratch> {
             Ok(SeqScratch {
@@ -78,6 +93,7 @@ impl SeqScratch {
                 part: g.zeros(n * nh * MAX_SPLIT * (hd + 2))?,
                 logits: g.zeros(n * c.vocab_size)?,
                 ids: g.zeros(n)?,
+                act: g.zeros(n * (c.num_experts_per_tok + 1) * imax)?,
             })
         };
         alloc().context("cannot allocate the batched decode buffers (out of device memory?)")
@@ -85,7 +101,7 @@ impl SeqScratch {
 
     /// Device bytes these buffers hold.
     pub fn bytes(&self) -> usize {
-        4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len() + self.ids.len())
+        4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len() + self.ids.len() + self.act.len())
             + 8 * (self.tab_a.len() + self.tab_b.len())
     }
 }
@@ -172,6 +188,8 @@ impl DeviceModel {
             }
             Ok(())
         };
+        // the streamed MoE kernels need sizes in multiples of 32 (the model's are); other shapes take the GEMMs
+        let streamed = [h, c.moe_intermediate_size, c.shared_expert_intermediate_size].iter().all(|v| v % 32 == 0);
         mark("embed")?;
         g.embed_rows(&self.embed, ids, &mut sc.ids, &mut sc.x)?;
         for (li, l) in self.layers.iter().enumerate() {
@@ -203,7 +221,11 @@ impl DeviceModel {
                     g.gemm_q4(o, &sc.xb, n, &mut sc.x, h, true)?;
                 }
             }
-            moe_rows(self, li, sc, n, None, &mut mark)?;
+            let how = match streamed {
+                true => MoeExperts::Streamed { act: &mut sq.act },
+                false => MoeExperts::Gemm,
+            };
+            moe_rows(self, li, sc, n, how, None, &mut mark)?;
         }
         mark("lm_head (gemm) + argmax")?;
         g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
@@ -378,6 +400,81 @@ impl Gpu {
         // SAFETY: matches attn_combine_seqs in attention.cu; grid (nh, n) of 1024 threads (1024 / hd groups); shapes
         // checked above.
         unsafe { l.launch(cfg((nh as u32, n as u32), 1024, 0)) }?;
+        Ok(())
+    }
+
+    /// Streamed gate|up + SwiGLU over the expert-sorted pairs of [`Gpu::moe_align`] (few tokens per expert):
+    /// `act[p, j] = silu(G_e[j] · xn[rowmap[p]]) · (U_e[j] · xn[rowmap[p]])`, f32 `[pairs, max(I, Is)]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_seqs(
+        &self,
+        gu: &Experts,
+        n_experts: usize,
+        (i, is): (usize, usize),
+        h: usize,
+        xn: &CudaSlice<f32>,
+        sorted: &MoeSorted,
+        act: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let imax = i.max(is);
+        let pairs = sorted.n * (sorted.k + 1);
+        ensure!(h % 32 == 0 && i % 32 == 0 && is % 32 == 0 && gu.gs >= 32, "moe_gate_up_seqs: sizes {h}/{i}/{is}");
+        ensure!(xn.len() >= sorted.n * h && act.len() >= pairs * imax, "moe_gate_up_seqs: buffers");
+        ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
+        ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
+        let glog = log2_exact(gu.gs, "moe_gate_up_seqs: group size")? - 5;
+        let ng = h / gu.gs;
+        let smem = 2 * GU_J * h / 2 + 4 * GU_J * ng * 4 + GU_TG * padx_len(h) * 4 + GU_TG * (h / 32) * 4;
+        ensure!(smem <= SMEM_MAX, "moe_gate_up_seqs: hidden size {h} needs {smem} bytes of shared memory");
+        let (words, groups) = (gu.words as i64, gu.groups as i64);
+        let v = [n_experts, i, is, h].map(|v| v as i32);
+        let ld = imax as i32;
+        let mut l = self.launcher(&self.f.moe_gate_up_seqs);
+        l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
+        l.arg(&glog).arg(xn).arg(&sorted.ntile).arg(&sorted.tiles).arg(&sorted.rowmap).arg(&*act).arg(&ld);
+        let grid = (imax.div_ceil(GU_J) as u32, sorted.max_tiles as u32);
+        // SAFETY: matches moe_gate_up_seqs (moe_seqs.cu); the tiles come from moe_align over `sorted`'s n, k and
+        // experts: expert ids <= n_experts (the shared one last, inside the buffer, checked), pairs < n*(k+1) rows of
+        // act, rowmap entries < n rows of xn; blocks past *ntile or the expert's rows exit; shared memory as laid
+        // out there (checked against the opt-in limit).
+        unsafe { l.launch(cfg(grid, 256, smem)) }?;
+        Ok(())
+    }
+
+    /// Streamed down projection: `ybuf[p, r] = D_e[r] · act[p]` (f32 `[pairs, h]`; combined by
+    /// [`Gpu::moe_combine`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_seqs(
+        &self,
+        down: &Experts,
+        n_experts: usize,
+        (i, is): (usize, usize),
+        h: usize,
+        act: &CudaSlice<f32>,
+        sorted: &MoeSorted,
+        ybuf: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let imax = i.max(is);
+        let pairs = sorted.n * (sorted.k + 1);
+        ensure!(h % 32 == 0 && i % 32 == 0 && is % 32 == 0 && down.gs >= 32, "moe_down_seqs: sizes {h}/{i}/{is}");
+        ensure!(act.len() >= pairs * imax && ybuf.len() >= pairs * h, "moe_down_seqs: buffers");
+        ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
+        ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");
+        let glog = log2_exact(down.gs, "moe_down_seqs: group size")? - 5;
+        let ngm = imax / down.gs;
+        let smem = DS_RB * imax / 2 + 2 * DS_RB * ngm * 4 + DS_TG * padx_len(imax) * 4 + DS_TG * (imax / 32) * 4;
+        ensure!(smem <= SMEM_MAX, "moe_down_seqs: inner size {imax} needs {smem} bytes of shared memory");
+        let (words, groups) = (down.words as i64, down.groups as i64);
+        let v = [n_experts, i, is, h].map(|v| v as i32);
+        let ld = imax as i32;
+        let mut l = self.launcher(&self.f.moe_down_seqs);
+        l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]);
+        l.arg(&v[3]).arg(&glog).arg(act).arg(&ld).arg(&sorted.ntile).arg(&sorted.tiles).arg(&*ybuf);
+        let grid = (h.div_ceil(DS_RB) as u32, sorted.max_tiles as u32);
+        // SAFETY: matches moe_down_seqs (moe_seqs.cu); tiles from moe_align (see moe_gate_up_seqs): pairs < rows of
+        // act and ybuf, expert ids inside the buffer; each expert's inner size (I or Is) <= imax = act's row stride;
+        // shared memory sized for imax (checked against the opt-in limit).
+        unsafe { l.launch(cfg(grid, 256, smem)) }?;
         Ok(())
     }
 

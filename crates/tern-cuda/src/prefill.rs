@@ -52,10 +52,12 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.flash_prefill_hd256,
         &f.flash_prefill_hd128,
         &f.flash_prefill_hd64,
+        &f.moe_gate_up_seqs,
+        &f.moe_down_seqs,
     ]
 }
 
-fn log2_exact(v: usize, what: &str) -> Result<i32> {
+pub(crate) fn log2_exact(v: usize, what: &str) -> Result<i32> {
     ensure!(v.is_power_of_two(), "{what} {v} is not a power of two");
     Ok(v.trailing_zeros() as i32)
 }
@@ -916,7 +918,7 @@ impl DeviceState {
                 _ => bail!("layer {li}: state does not match the model's layer kind"),
             }
             let routes = route_log.as_deref_mut().map(|r| &mut r[li]);
-            moe_rows(m, li, sc, n, routes, &mut mark)?;
+            moe_rows(m, li, sc, n, MoeExperts::Gemm, routes, &mut mark)?;
         }
         if let Some(out) = all_logits {
             let v = c.vocab_size;
@@ -954,14 +956,22 @@ impl DeviceState {
     }
 }
 
+/// How the MoE block's expert products run: tensor-core GEMMs over 64-token tiles (prefill), or streamed over the
+/// few tokens each expert gets in a decode batch (f32 activations in `act`, `[n * (k + 1), max(I, Is)]`).
+pub(crate) enum MoeExperts<'a> {
+    Gemm,
+    Streamed { act: &'a mut CudaSlice<f32> },
+}
+
 /// The MoE block of layer `li` for the `n` rows of `sc.x` (residual added in place): post-norm, f32 router, top-k,
-/// the pairs sorted by expert, grouped gate|up + SwiGLU and down GEMMs, combine. With `routes`, the rows' routed
+/// the pairs sorted by expert, gate|up + SwiGLU and down products (`how`), combine. With `routes`, the rows' routed
 /// experts are appended (`[n * k]`); `mark` names each kernel family before its launch (profiling).
 pub(crate) fn moe_rows(
     m: &DeviceModel,
     li: usize,
     sc: &mut Scratch,
     n: usize,
+    how: MoeExperts,
     routes: Option<&mut Vec<usize>>,
     mark: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<()> {
@@ -981,10 +991,20 @@ pub(crate) fn moe_rows(
         r.extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
     }
     g.moe_align(&sc.idx, n, k, e, &mut sc.sorted)?;
-    mark("moe_gate_up (gemm)")?;
-    g.moe_gate_up_rows(&l.gate_up, e, sizes, h, &sc.xb, n, k, &sc.sorted, &mut sc.act)?;
-    mark("moe_down (gemm)")?;
-    g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
+    match how {
+        MoeExperts::Gemm => {
+            mark("moe_gate_up (gemm)")?;
+            g.moe_gate_up_rows(&l.gate_up, e, sizes, h, &sc.xb, n, k, &sc.sorted, &mut sc.act)?;
+            mark("moe_down (gemm)")?;
+            g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
+        }
+        MoeExperts::Streamed { act } => {
+            mark("moe_gate_up (streamed)")?;
+            g.moe_gate_up_seqs(&l.gate_up, e, sizes, h, &sc.xn, &sc.sorted, act)?;
+            mark("moe_down (streamed)")?;
+            g.moe_down_seqs(&l.down, e, sizes, h, act, &sc.sorted, &mut sc.ybuf)?;
+        }
+    }
     mark("moe_combine")?;
     g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x)
 }

@@ -130,6 +130,7 @@ struct MoeBufs {
     wts: CudaSlice<f32>,
     sorted: MoeSorted,
     act: CudaSlice<u16>,
+    act32: CudaSlice<f32>,
     ybuf: CudaSlice<f32>,
 }
 
@@ -145,13 +146,15 @@ fn moe_bufs(g: &Gpu, c: &Config, n: usize) -> MoeBufs {
         wts: g.zeros(n * (k + 1)).unwrap(),
         sorted: MoeSorted::new(g, n, k, e).unwrap(),
         act: g.zeros(n * (k + 1) * imax).unwrap(),
+        act32: g.zeros(n * (k + 1) * imax).unwrap(),
         ybuf: g.zeros(n * (k + 1) * h).unwrap(),
     }
 }
 
 /// The MoE block for N tokens: router (f32, exact dequantisation) + top-k, pairs sorted by expert on the GPU,
 /// grouped gate|up + SwiGLU, grouped down, weighted combine + residual; against the CPU's MoE on the GPU's routing.
-/// Forced routings cover all tokens on one expert and experts with no tokens.
+/// The same pairs through the streamed kernels of the batched decode step (moe_seqs.cu). Forced routings cover all
+/// tokens on one expert and experts with no tokens.
 #[test]
 fn moe_rows_match_cpu() {
     let Some(g) = gpu_or_skip("moe_rows_match_cpu") else { return };
@@ -231,13 +234,25 @@ fn moe_rows_match_cpu() {
                 let got: Vec<f32> = g.download(&b.x).unwrap().iter().zip(&x).map(|(a, v)| a - v).collect();
                 let want = moe(&c, &l.moe, &u, n, Some(&ids), None);
                 let (e_max, e_norm) = (rel(&got, &want), rel2(&got, &want));
+                // the streamed kernels of the batched decode step (f32 activations) on the same pairs
+                g.stream.memcpy_htod(&x, &mut b.x).unwrap();
+                let nan = vec![f32::NAN; n * (k + 1) * h];
+                g.stream.memcpy_htod(&nan, &mut b.ybuf).unwrap();
+                g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xn, &b.sorted, &mut b.act32).unwrap();
+                g.moe_down_seqs(&dl.down, e, sizes, h, &b.act32, &b.sorted, &mut b.ybuf).unwrap();
+                g.moe_combine(&b.ybuf, &b.sorted, &b.wts, h, &mut b.x).unwrap();
+                let got_s: Vec<f32> = g.download(&b.x).unwrap().iter().zip(&x).map(|(a, v)| a - v).collect();
+                let (s_max, s_norm) = (rel(&got_s, &want), rel2(&got_s, &want));
                 let ntile = g.download(&b.sorted.ntile).unwrap()[0];
                 report.push(format!(
-                    "{name} N={n}{}: router {e_router:.1e}, out max {e_max:.1e} norm {e_norm:.1e} ({ntile} tiles)",
+                    "{name} N={n}{}: router {e_router:.1e}, out max {e_max:.1e} norm {e_norm:.1e}, streamed max \
+                     {s_max:.1e} norm {s_norm:.1e} ({ntile} tiles)",
                     if forced { " forced (all on expert 0, expert 1 empty)" } else { "" }
                 ));
                 assert!(e_router < 1e-5, "{name} N={n}: router logits {e_router}");
                 assert!(e_max < 1e-2 && e_norm < 5e-3, "{name} N={n} forced={forced}: MoE output {e_max} / {e_norm}");
+                // f32 activations and exact dequantisation: only f32 summation order differs from the CPU
+                assert!(s_max < 1e-4 && s_norm < 2e-5, "{name} N={n} forced={forced}: streamed MoE {s_max} / {s_norm}");
             }
         }
     }
