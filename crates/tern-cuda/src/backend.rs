@@ -1,18 +1,18 @@
-//! The engine's [`Backend`] on CUDA — **the interim per-sequence implementation**, to be replaced by state pools
-//! and batched kernels (issue 12 items 3–5).
+//! The engine's [`Backend`] on CUDA — **the interim per-sequence implementation**, on its way to state pools and
+//! batched kernels (issue 12 items 3–5).
 //!
 //! What it does now: a slot table of whole [`DeviceState`]s (each allocates its KV cache for
-//! [`CudaOptions::max_context`] tokens up front, plus its own scratch and CUDA graph); a step runs its items one
-//! after the other ([`CudaSequence::read`]: one token through the batch-1 decode graph, a prompt chunk of several
-//! tokens through the prefill kernels), so a sequence's results are exactly those it gets alone. `Sample` work for plain greedy
-//! requests without logprobs takes the step's device argmax (4 bytes to the host); every other draw downloads the
-//! logits row and samples on the host with [`sample_host`]. Allocation and fork are fallible: a failed device
-//! allocation is [`AllocError::Full`] while other sequences hold memory (the engine waits or evicts cache
-//! snapshots) and [`AllocError::TooLarge`] when none do; a context above `max_context` is `TooLarge` at once.
+//! [`CudaOptions::max_context`] tokens up front, plus its own scratch and CUDA graph). A step's prompt chunks go
+//! through the prefill kernels one sequence at a time; its one-token items go through one batched pass
+//! ([`crate::batch`], up to [`MAX_SEQS`] sequences) when [`CudaOptions::batched_decode`] is on and there are two or
+//! more, otherwise each through its own batch-1 decode graph ([`CudaSequence::read`]). Plain greedy `Sample` work
+//! without logprobs takes the device argmax (4 bytes to the host); every other draw downloads the logits row and
+//! samples on the host with [`sample_host`]. Allocation and fork are fallible: a failed device allocation is
+//! [`AllocError::Full`] while other sequences hold memory (the engine waits or evicts cache snapshots) and
+//! [`AllocError::TooLarge`] when none do; a context above `max_context` is `TooLarge` at once.
 //!
-//! What replaces it: KV pages and GDN state slots from pools sized at start, scratch sized by the largest batch,
-//! one batched decode graph per batch-size bucket over all items of a step, prefill kernels for prompt chunks, and
-//! sampling on the device — behind the same trait, so the engine does not change.
+//! What replaces the rest: KV pages and GDN state slots from pools sized at start, sampling on the device, a graph
+//! per batch-size bucket — behind the same trait, so the engine does not change.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

@@ -11,7 +11,7 @@
 //! - Attention: rmsnorm_rows → gemm_q4 (q|gate, k, v) → attn_prep_seqs (norms, RoPE, K/V row at the position) →
 //!   attn_decode_kv_seqs (flash-decoding splits over keys 0..=pos) → attn_combine_seqs (+ output gate → bf16) →
 //!   gemm_q4 (o_proj, + residual).
-//! - MoE: as the prefill ([`crate::prefill::moe_rows`]).
+//! - MoE: router and sort as the prefill (`prefill::moe_rows`), then the streamed expert kernels of moe_seqs.cu.
 //! - Then the final norm, the lm_head GEMM into `[B, vocab]` logits and argmax_seqs.
 //!
 //! GEMM inputs are bf16 (the batch-1 decode graph keeps f32 activations), so a sequence's logits in a batch
