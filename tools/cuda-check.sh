@@ -5,6 +5,7 @@
 #   bash tools/cuda-run.sh tests            # every GPU test, one process each (a trap in one cannot hide the rest)
 #   bash tools/cuda-run.sh bench 256,4096   # tern bench --backend cuda on random full-shape weights
 #   bash tools/cuda-run.sh serve            # tern serve --backend cuda on a full-shape random checkpoint + serve_probe
+#   bash tools/cuda-run.sh soak 560 64      # the same server, 64 clients of tools/soak.py for 560 s
 # Logs go to $OUT (the device tool brings them back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,6 @@ cp target/release/tern .carry/
 qwen=${TERN_QWEN_DIR:-../shared/qwen3.6-35b-a3b}
 cp "$qwen"/{config.json,tokenizer_config.json,chat_template.jinja,generation_config.json} .carry/qwen/
 gzip -c "$qwen/tokenizer.json" >.carry/qwen/tokenizer.json.gz  # 33 MB -> a few: the transfer limit is 64 MiB
-cp "$qwen/../tools/serve_probe.py" .carry/
+cp "$qwen/../tools/serve_probe.py" tools/soak.py .carry/
 git rev-parse --short HEAD >.carry/commit
 ls -la .carry

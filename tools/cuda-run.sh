@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Device side of tools/cuda-check.sh: run from the repo root on the GPU machine with .carry/ carried.
 #   tools/cuda-run.sh tests [filter]     each GPU test in its own process (TERN_REQUIRE_CUDA=1), summary at the end;
-#                                        filter: a substring of bin::name (prefill::, kernels::gdn, ...)
+#                                        filter: an extended regex on bin::name (prefill::, 'batch::|moe_rows', ...)
 #   tools/cuda-run.sh ignored [filter]   the slow full-shape tests
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
 #   tools/cuda-run.sh serve [serve args] tern serve --backend cuda on a full-shape random checkpoint, serve_probe.py
+#   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
+# The environment passes through (TERN_BATCH_DECODE=1 turns the batched decode step on; MAX_CONCURRENT, default 64).
 set -u
 OUT=${OUT:-/tmp/tern-out}
 mkdir -p "$OUT"
@@ -21,7 +23,7 @@ tests | ignored)
     flag=""
     [ "$what" = ignored ] && flag="--ignored"
     for name in $(./.carry/$bin --list $flag 2>/dev/null | sed -n 's/: test$//p'); do
-      [ -n "$filter" ] && [[ "$bin::$name" != *$filter* ]] && continue
+      [ -n "$filter" ] && [[ ! "$bin::$name" =~ $filter ]] && continue
       log=$(mktemp)
       timeout "${TERN_TEST_TIMEOUT:-240}" ./.carry/$bin "$name" --exact --nocapture --test-threads=1 $flag >"$log" 2>&1
       rc=$?
@@ -39,14 +41,26 @@ bench)
   shift || true
   ./.carry/tern bench --backend cuda --random-weights --config .carry/qwen --ctx "$ctx" "$@" 2>&1 | tee "$OUT/bench.txt"
   ;;
-serve)
-  # a full-shape random 4-bit checkpoint with the real tokenizer, served on CUDA and driven by serve_probe.py
+serve | soak)
+  # a full-shape random 4-bit checkpoint with the real tokenizer (kept in /tmp while the machine stays warm), served
+  # on CUDA and driven by serve_probe.py or tools/soak.py
   dir=/tmp/tern-rq4
   [ -f .carry/qwen/tokenizer.json ] || gunzip -k .carry/qwen/tokenizer.json.gz
   [ -f $dir/config.json ] || ./.carry/tern random-model --config .carry/qwen --out $dir --quant q4 --tokenizer-from .carry/qwen 2>&1 | tail -2
-  ./.carry/tern serve --model $dir --backend cuda --port 8080 "$@" >"$OUT/serve.log" 2>&1 &
+  if [ "$what" = soak ]; then
+    secs=${1:-300}
+    clients=${2:-64}
+    shift 2 || shift $#
+  fi
+  ./.carry/tern serve --model $dir --backend cuda --port 8080 --max-concurrent "${MAX_CONCURRENT:-64}" "$@" >"$OUT/serve.log" 2>&1 &
   pid=$!
-  timeout 500 python3 .carry/serve_probe.py --port 8080 ${PROBE_ARGS:-} --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt"
+  if [ "$what" = serve ]; then
+    timeout 500 python3 .carry/serve_probe.py --port 8080 ${PROBE_ARGS:-} --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt"
+  else
+    for _ in $(seq 120); do curl -sf localhost:8080/health >/dev/null && break; sleep 1; done
+    python3 .carry/soak.py --port 8080 --clients "$clients" --seconds "$secs" --pid $pid --state-on gpu \
+      --out "$OUT/soak.json" 2>&1 | tee "$OUT/soak.txt"
+  fi
   kill -INT $pid; sleep 2; kill -9 $pid 2>/dev/null
   grep -E "tern:|error|panic" "$OUT/serve.log" | tail -8
   ;;
