@@ -278,6 +278,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         40 => "moe_topk",
         41 => "moe_gate_up",
         42 => "moe_down",
+        50 => "sample_rows",
         _ => "?",
     };
     struct L {
