@@ -17,7 +17,7 @@ case "$what" in
 tests | ignored)
   filter=${1:-}
   summary=""
-  for bin in prefill kernels gpu; do
+  for bin in prefill kernels gpu sample; do
     flag=""
     [ "$what" = ignored ] && flag="--ignored"
     for name in $(./.carry/$bin --list $flag 2>/dev/null | sed -n 's/: test$//p'); do
