@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p tern-cli
 mkdir -p .carry/qwen
-for t in gpu kernels prefill batch; do
+for t in gpu kernels prefill batch sample; do
   bin=$(cargo test --release -p tern-cuda --test "$t" --no-run 2>&1 | grep -oE "target/release/deps/$t-[0-9a-f]+" | tail -1)
   cp "$bin" ".carry/$t"
 done

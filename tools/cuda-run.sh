@@ -19,7 +19,7 @@ case "$what" in
 tests | ignored)
   filter=${1:-}
   summary=""
-  for bin in prefill kernels gpu batch; do
+  for bin in prefill kernels gpu batch sample; do
     flag=""
     [ "$what" = ignored ] && flag="--ignored"
     for name in $(./.carry/$bin --list $flag 2>/dev/null | sed -n 's/: test$//p'); do

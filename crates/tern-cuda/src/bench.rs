@@ -368,6 +368,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         42 => "moe_down",
         43 => "moe_gate_up_seqs",
         44 => "moe_down_seqs",
+        50 => "sample_rows",
         _ => "?",
     };
     struct L {

@@ -87,6 +87,8 @@ funcs! {
     moe_align: "prefill", moe_combine: "prefill", gdn_prep: "prefill", gdn_chunk_prep: "prefill",
     gdn_chunk_state: "prefill", gdn_chunk_out: "prefill", gdn_gated_norm: "prefill", gdn_ring: "prefill", attn_prep_rows: "prefill",
     flash_prefill_hd256: "flash", flash_prefill_hd128: "flash", flash_prefill_hd64: "flash",
+    // sampling over many rows of logits: see sample.rs
+    sample_rows: "sample",
 }
 
 /// A kernel argument as the 8-byte word the launch passes a pointer to (little-endian: 4-byte arguments are the

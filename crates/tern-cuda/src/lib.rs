@@ -11,6 +11,7 @@ pub mod bench;
 pub mod gpu;
 pub mod model;
 pub mod prefill;
+pub mod sample;
 pub mod seq;
 
 pub use backend::CudaSlots;

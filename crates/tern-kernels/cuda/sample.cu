@@ -1,0 +1,554 @@
+// Sampling on the device: one block of 1024 threads per row of a logits matrix [B, ld] (f32, row-major), each row
+// drawn with its own parameters, so that only the chosen ids (and requested log-probabilities) cross to the host.
+// The same steps as tern_engine::sample_host + tern_text::Sampler::sample; crates/tern-cuda/src/sample.rs holds
+// the row layout (SampleRow & co., mirrored exactly below), the host-side packing and `sample_reference`, a
+// pure-Rust copy of this algorithm that the tests compare against.
+//
+// sample_rows(logits, ld, rows, pens, biases, masks, outs), grid B, 1024 threads:
+//   rows[b]   SampleRow: temperature, top_k, top_p, min_p, repetition/presence/frequency penalty, limit (ids >= limit
+//             are padding: never read), seed, logprobs (-1 none, else how many top entries, <= 20), the row's
+//             slices pens[pen_off..+pen_len] (id, count: the history counted on the host) and
+//             biases[bias_off..+bias_len] (id, bias) (ids unique and < limit within a row), and mask_off: -1, or
+//             the row's mask bitset masks[mask_off..+ceil(limit/32)] (bit i of word i/32 = id i allowed).
+//   outs[b]   SampleOut: token, status (S_OK / S_NO_TOKEN: the mask allows no id below limit), the token's
+//             log-probability and the top-N (id, log-probability), best first.
+//   Scratch: the row's logits are overwritten, and every pens/biases entry's `raw` gets the logit it changed.
+// Steps per row (n = limit):
+//   1. NaN -> -inf (in place).
+//   2. logprobs: lse = max + ln sum exp(l - max) over the raw logits (f64 sum of exp_det terms); the top-N by
+//      (logit desc, id asc); the token's log-probability from its raw logit (saved in `raw` where bias/penalty
+//      changed it).
+//   3. mask: disallowed -> -inf (status S_NO_TOKEN if none allowed); 4. logit bias; 5. penalties (repetition
+//      HF-style on the sign, then presence + frequency * count), all f32 as the host does them.
+//   6. temperature <= 0: argmax (first id on ties; -inf everywhere: id 0). Otherwise, with M the largest logit:
+//      (a) 0 < top_k <= S_KMAX: radix select of the top_k best composite keys (order-preserving logit key << 32 |
+//          ~id: logit desc, id asc, the host's order), gathered into shared memory and bitonic-sorted; then the
+//          host's own f64 steps on them (weights exp((l - M)/T), top-p smallest prefix, min-p, target = u*total,
+//          walk): the host's id except where f64 exp rounds differently at a boundary.
+//      (b) otherwise no sort: the kept set is {key >= lo} & {w >= min(min_p, 1)}, w = exp_det((l - M)/T) (f32,
+//          a fixed polynomial the reference computes bit for bit), lo = the top_k-th key (radix select) if
+//          top_k > 0, raised to the smallest prefix in key order whose fixed-point mass (w * 2^43 truncated, exact
+//          integer sums) reaches top_p * total (radix search over the keys with per-bin masses). These are the
+//          host's sets, up to rounding. Draw: target = u * total, found by a prefix scan in id order (thread t
+//          owns ids [t*C, t*C + C), C = ceil(n/1024): per-thread f64 sums, sequential scans per warp and over the
+//          warps, the thread whose range holds the target walks it). Same distribution as the host, not the
+//          same ids.
+//      u is the first next_f64() of xoshiro256** seeded through splitmix64 with the row's seed (the host's RNG).
+//      If every logit is -inf: id 0; with a mask, a drawn id the mask does not allow (only that fallback) becomes
+//      the first allowed id.
+// Where it differs from the host by design: NaN is -inf in the log-probabilities too (the host's are NaN then);
+// ties at the last top log-probability go to the lower ids (the host's selection takes any of them); +inf logits
+// share the mass equally (the host's weights are NaN there).
+// Determinism: no float atomics; integer atomics only count, sum fixed-point masses or claim slots whose contents
+// are sorted afterwards; float reductions have a fixed order. Same logits, parameters and seed: same outputs.
+// Bytes per row: ~4n per pass over the row (L2-resident after the first): NaN pass, max pass, 1-4 radix levels
+// (each one pass; ties at the threshold add levels), a gather or a scan pass (+2 passes and a top-N select with
+// logprobs, +1 with a mask, +1 for the top-p mass). FLOPs per row: ~20n per pass that needs weights (exp_det).
+#include "common.cuh"
+
+#define S_THREADS 1024
+#define S_KMAX 1024
+#define S_MAXTOP 20
+#define S_OK 0u
+#define S_NO_TOKEN 1u
+// Composite keys at or above this have a logit above -inf.
+#define S_LO_FINITE (0x00800000ull << 32)
+// Fixed-point scale of the masses (2^43): a row of up to 2^20 weights <= 1 sums below 2^63.
+#define S_FX_SCALE 8796093022208.0
+
+struct SampleRow {
+    float temperature;
+    uint32_t top_k;
+    float top_p;
+    float min_p;
+    float repetition_penalty;
+    float presence_penalty;
+    float frequency_penalty;
+    uint32_t limit;
+    unsigned long long seed;
+    int32_t logprobs;
+    uint32_t pen_off;
+    uint32_t pen_len;
+    uint32_t bias_off;
+    uint32_t bias_len;
+    int32_t mask_off;
+};
+static_assert(sizeof(SampleRow) == 64, "SampleRow layout (sample.rs)");
+struct SamplePenalty {
+    uint32_t id;
+    uint32_t count;
+    float raw;
+};
+struct SampleBias {
+    uint32_t id;
+    float bias;
+    float raw;
+};
+static_assert(sizeof(SamplePenalty) == 12 && sizeof(SampleBias) == 12, "entry layout (sample.rs)");
+struct SampleTop {
+    uint32_t id;
+    float logprob;
+};
+struct SampleOut {
+    uint32_t token;
+    uint32_t status;
+    float logprob;
+    uint32_t n_top;
+    SampleTop top[S_MAXTOP];
+};
+static_assert(sizeof(SampleOut) == 176, "SampleOut layout (sample.rs)");
+
+struct SampleSmem {
+    unsigned long long cand[S_KMAX];  // gathered composite keys
+    double w[S_KMAX];                 // (a) weights; (b) per-thread sums, then their inclusive scan
+    double q[S_KMAX];                 // (a) weights / total
+    unsigned long long mass[256];     // radix bins: fixed-point masses
+    unsigned int cnt[256];            //             and counts
+    unsigned long long red[32];       // block reductions
+    double wex[32];                   // (b) per-warp totals, then their exclusive scan
+    unsigned long long rs_prefix, rs_above, rs_result;
+    double total;
+    int rs_done, ncand, winner, found_b, found_p;
+    uint32_t token;
+    float raw_b, raw_p;
+};
+
+// Order-preserving key of a float (total order: -0 below +0; NaN never reaches here) and back.
+__device__ __forceinline__ uint32_t ord_key(float v) {
+    const uint32_t b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float key_value(uint32_t k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); }
+// Larger key = drawn first: logit descending, then id ascending.
+__device__ __forceinline__ unsigned long long comp_key(float v, int i) {
+    return ((unsigned long long)ord_key(v) << 32) | (uint32_t)~(uint32_t)i;
+}
+
+// exp(x) for x <= 0 in f32 from IEEE-exact operations only (round-half-even reduction, fma Horner of degree 7,
+// ~2 ulp), so that sample.rs computes the same bits; 0 below -86 (and for NaN). Constants by their bits: log2(e),
+// ln 2 in two parts (the high one exact times any n here), 1/7! .. 1/3!.
+__device__ __forceinline__ float exp_det(float x) {
+    if (!(x >= -86.f)) return 0.f;
+    const float n = rintf(__fmul_rn(x, __uint_as_float(0x3fb8aa3bu)));
+    float r = __fmaf_rn(n, -__uint_as_float(0x3f317200u), x);
+    r = __fmaf_rn(n, -__uint_as_float(0x35bfbe8eu), r);
+    float p = __uint_as_float(0x39500d01u);
+    p = __fmaf_rn(p, r, __uint_as_float(0x3ab60b61u));
+    p = __fmaf_rn(p, r, __uint_as_float(0x3c088889u));
+    p = __fmaf_rn(p, r, __uint_as_float(0x3d2aaaabu));
+    p = __fmaf_rn(p, r, __uint_as_float(0x3e2aaaabu));
+    p = __fmaf_rn(p, r, 0.5f);
+    p = __fmaf_rn(p, r, 1.f);
+    p = __fmaf_rn(p, r, 1.f);
+    return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));
+}
+
+// Path (b) weight of logit v: exp((v - M) / T) with invT = 1/T; 1 at the maximum (also when M is +inf).
+__device__ __forceinline__ float weight_b(float v, float M, double invT) {
+    return v == M ? 1.f : exp_det(__double2float_rn(__dmul_rn(__dsub_rn((double)v, (double)M), invT)));
+}
+__device__ __forceinline__ unsigned long long fixed_weight(float v, float M, double invT) {
+    return __double2ull_rz(__dmul_rn((double)weight_b(v, M, invT), S_FX_SCALE));
+}
+
+// The first next_f64() of xoshiro256** seeded through splitmix64 (tern_text's Xoshiro256): it reads only s[1].
+__device__ __forceinline__ double first_uniform(unsigned long long seed) {
+    unsigned long long xs = seed, s1 = 0;
+    for (int j = 0; j < 2; j++) {
+        xs += 0x9E3779B97F4A7C15ull;
+        unsigned long long z = xs;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        s1 = z ^ (z >> 31);
+    }
+    unsigned long long r = s1 * 5ull;
+    r = ((r << 7) | (r >> 57)) * 9ull;
+    return (double)(r >> 11) * (1.0 / 9007199254740992.0);
+}
+
+struct OpMaxU64 {
+    __device__ unsigned long long operator()(unsigned long long a, unsigned long long b) const { return a > b ? a : b; }
+};
+struct OpMinU64 {
+    __device__ unsigned long long operator()(unsigned long long a, unsigned long long b) const { return a < b ? a : b; }
+};
+struct OpAddU64 {
+    __device__ unsigned long long operator()(unsigned long long a, unsigned long long b) const { return a + b; }
+};
+struct OpAddD {
+    __device__ double operator()(double a, double b) const { return __dadd_rn(a, b); }
+};
+
+// Reduction over the block (1024 threads); every thread gets the same bits (butterfly, then the 32 warp results).
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, SampleSmem& sm) {
+    T* red = reinterpret_cast<T*>(sm.red);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[threadIdx.x & 31];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// The largest composite key C >= lo such that F(keys >= C) >= need over ids < n, F = the count of keys (mass
+// false) or the sum of their fixed-point weights (mass true: weights relative to M at invT); lo when F over every
+// key >= lo stays below need. Radix descent over 8-bit digits from the top, one pass over the row per digit; stops
+// as soon as the chosen bin holds one key (or, counting, when the whole bin completes the count).
+__device__ unsigned long long radix_search(const float* x, int n, unsigned long long lo, double need, bool mass,
+                                           float M, double invT, SampleSmem& sm) {
+    const int tid = threadIdx.x;
+    unsigned long long prefix = 0, above = 0;
+    for (int shift = 56;; shift -= 8) {
+        for (int b = tid; b < 256; b += S_THREADS) {
+            sm.cnt[b] = 0;
+            sm.mass[b] = 0;
+        }
+        __syncthreads();
+        for (int i = tid; i < n; i += S_THREADS) {
+            const float v = x[i];
+            const unsigned long long c = comp_key(v, i);
+            if (c < lo || (shift < 56 && (c >> (shift + 8)) != prefix)) continue;
+            const int b = (int)((c >> shift) & 255);
+            atomicAdd(&sm.cnt[b], 1u);
+            if (mass) atomicAdd(&sm.mass[b], fixed_weight(v, M, invT));
+        }
+        __syncthreads();
+        if (tid == 0) {
+            unsigned long long cum = 0;
+            int chosen = -1;
+            for (int b = 255; b >= 0; b--) {
+                const unsigned long long f = mass ? sm.mass[b] : sm.cnt[b];
+                if (sm.cnt[b] && __ull2double_rn(above + cum + f) >= need) {
+                    chosen = b;
+                    break;
+                }
+                cum += f;
+            }
+            int done = 1;
+            unsigned long long res = lo;
+            if (chosen >= 0) {
+                above += cum;
+                prefix = (prefix << 8) | (unsigned long long)chosen;
+                const bool whole = !mass && __ull2double_rn(above + sm.cnt[chosen]) == need;
+                if (sm.cnt[chosen] == 1 || whole || shift == 0) {
+                    res = prefix << shift;
+                    res = res > lo ? res : lo;
+                } else {
+                    done = 0;
+                }
+            }
+            sm.rs_prefix = prefix;
+            sm.rs_above = above;
+            sm.rs_done = done;
+            sm.rs_result = res;
+        }
+        __syncthreads();
+        if (sm.rs_done) return sm.rs_result;
+        prefix = sm.rs_prefix;
+        above = sm.rs_above;
+    }
+}
+
+// Every composite key >= c into sm.cand (in no particular order); returns how many (<= S_KMAX by the caller's c).
+__device__ int gather(const float* x, int n, unsigned long long c, SampleSmem& sm) {
+    __syncthreads();
+    if (threadIdx.x == 0) sm.ncand = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += S_THREADS) {
+        const unsigned long long k = comp_key(x[i], i);
+        if (k >= c) {
+            const int s = atomicAdd(&sm.ncand, 1);
+            if (s < S_KMAX) sm.cand[s] = k;
+        }
+    }
+    __syncthreads();
+    return min(sm.ncand, S_KMAX);
+}
+
+// Bitonic sort of sm.cand[0..nc) descending (padded with zeros, below every key, to a power of two <= S_KMAX).
+__device__ void sort_desc(int nc, SampleSmem& sm) {
+    int m = 1;
+    while (m < nc) m <<= 1;
+    for (int i = nc + threadIdx.x; i < m; i += S_THREADS) sm.cand[i] = 0;
+    __syncthreads();
+    for (int k = 2; k <= m; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < m; i += S_THREADS) {
+                const int l = i ^ j;
+                if (l > i) {
+                    const unsigned long long a = sm.cand[i], b = sm.cand[l];
+                    if ((i & k) == 0 ? a < b : a > b) {
+                        sm.cand[i] = b;
+                        sm.cand[l] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// Path (a): the top_k best keys, then the host's f64 steps. Returns the id (every thread).
+__device__ uint32_t draw_topk(const float* x, int n, const SampleRow& p, double u, SampleSmem& sm) {
+    const int tid = threadIdx.x;
+    const unsigned long long c = radix_search(x, n, S_LO_FINITE, (double)p.top_k, false, 0.f, 0.0, sm);
+    const int nc = gather(x, n, c, sm);
+    sort_desc(nc, sm);
+    const double mx = (double)key_value((uint32_t)(sm.cand[0] >> 32)), temp = (double)p.temperature;
+    for (int j = tid; j < nc; j += S_THREADS) {
+        const double l = (double)key_value((uint32_t)(sm.cand[j] >> 32));
+        sm.w[j] = l == mx ? 1.0 : exp(__ddiv_rn(__dsub_rn(l, mx), temp));
+    }
+    __syncthreads();
+    if (tid == 0) {
+        double t = 0.0;
+        for (int j = 0; j < nc; j++) t = __dadd_rn(t, sm.w[j]);
+        sm.total = t;
+    }
+    __syncthreads();
+    for (int j = tid; j < nc; j += S_THREADS) sm.q[j] = __ddiv_rn(sm.w[j], sm.total);
+    __syncthreads();
+    if (tid == 0) {
+        int keep = nc;
+        if (p.top_p < 1.f) {
+            double acc = 0.0;
+            for (int j = 0; j < nc; j++) {
+                acc = __dadd_rn(acc, sm.q[j]);
+                if (acc >= (double)p.top_p) {
+                    keep = j + 1;
+                    break;
+                }
+            }
+        }
+        if (p.min_p > 0.f) {
+            int m = 0;
+            while (m < keep && sm.w[m] >= (double)p.min_p) m++;
+            keep = max(m, 1);
+        }
+        double t = 0.0;
+        for (int j = 0; j < keep; j++) t = __dadd_rn(t, sm.w[j]);
+        double target = __dmul_rn(u, t);
+        int pick = keep - 1;
+        for (int j = 0; j < keep; j++) {
+            target = __dsub_rn(target, sm.w[j]);
+            if (target < 0.0) {
+                pick = j;
+                break;
+            }
+        }
+        sm.token = ~(uint32_t)sm.cand[pick];
+    }
+    __syncthreads();
+    return sm.token;
+}
+
+// Path (b): thresholds on the keys, then the id-order scan. Returns the id (every thread).
+__device__ uint32_t draw_scan(const float* x, int n, const SampleRow& p, float M, double u, SampleSmem& sm) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const double invT = __ddiv_rn(1.0, (double)p.temperature);
+    unsigned long long lo = S_LO_FINITE;
+    if (p.top_k > 0) lo = radix_search(x, n, lo, (double)p.top_k, false, 0.f, 0.0, sm);
+    if (p.top_p < 1.f) {
+        unsigned long long tot = 0;
+        for (int i = tid; i < n; i += S_THREADS) {
+            const float v = x[i];
+            if (comp_key(v, i) >= lo) tot += fixed_weight(v, M, invT);
+        }
+        tot = block_reduce(tot, OpAddU64(), sm);
+        lo = radix_search(x, n, lo, __dmul_rn((double)p.top_p, __ull2double_rn(tot)), true, M, invT, sm);
+    }
+    const float mp = p.min_p > 0.f ? fminf(p.min_p, 1.f) : 0.f;
+    const int per = (n + S_THREADS - 1) / S_THREADS;
+    const int i0 = min(n, tid * per), i1 = min(n, i0 + per);
+    double s = 0.0;
+    for (int i = i0; i < i1; i++) {
+        const float v = x[i];
+        if (comp_key(v, i) < lo) continue;
+        const float w = weight_b(v, M, invT);
+        if (w >= mp) s = __dadd_rn(s, (double)w);
+    }
+    sm.w[tid] = s;
+    if (tid == 0) sm.winner = -1;
+    __syncthreads();
+    if (lane == 0) {
+        double a = 0.0;
+        for (int j = 0; j < 32; j++) {
+            a = __dadd_rn(a, sm.w[tid + j]);
+            sm.w[tid + j] = a;
+        }
+        sm.wex[warp] = a;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        double a = 0.0;
+        for (int j = 0; j < 32; j++) {
+            const double t = sm.wex[j];
+            sm.wex[j] = a;
+            a = __dadd_rn(a, t);
+        }
+    }
+    __syncthreads();
+    const double inc = __dadd_rn(sm.wex[warp], sm.w[tid]);
+    __syncthreads();
+    sm.w[tid] = inc;
+    __syncthreads();
+    const double total = sm.w[S_THREADS - 1], target = __dmul_rn(u, total);
+    const double prev = tid ? sm.w[tid - 1] : 0.0;
+    // The scan is monotone, so the ranges [prev, inc) of the threads with inc > prev tile [0, total): the last of
+    // them that starts at or below the target holds it (or, should u * total round up to total, the last one).
+    if (prev <= target && inc > prev) atomicMax(&sm.winner, tid);
+    __syncthreads();
+    if (tid == sm.winner) {
+        double acc = prev;
+        int pick = -1, last = -1;
+        for (int i = i0; i < i1 && pick < 0; i++) {
+            const float v = x[i];
+            if (comp_key(v, i) < lo) continue;
+            const float w = weight_b(v, M, invT);
+            if (!(w >= mp) || w == 0.f) continue;
+            last = i;
+            acc = __dadd_rn(acc, (double)w);
+            if (acc > target) pick = i;
+        }
+        sm.token = (uint32_t)(pick >= 0 ? pick : last);
+    }
+    __syncthreads();
+    return sm.token;
+}
+
+extern "C" __global__ void __launch_bounds__(S_THREADS, 1)
+    sample_rows(float* __restrict__ logits, long long ld, const SampleRow* __restrict__ rows,
+                SamplePenalty* __restrict__ pens, SampleBias* __restrict__ biases, const uint32_t* __restrict__ masks,
+                SampleOut* __restrict__ outs) {
+    KTRACE(50);
+    __shared__ SampleSmem sm;
+    const int tid = threadIdx.x;
+    pdl_wait();
+    const SampleRow p = rows[blockIdx.x];
+    float* x = logits + (size_t)blockIdx.x * (size_t)ld;
+    SampleOut* out = outs + blockIdx.x;
+    const int n = (int)p.limit;
+
+    // 1. NaN -> -inf, and the raw maximum
+    unsigned long long cm = 0;
+    for (int i = tid; i < n; i += S_THREADS) {
+        float v = x[i];
+        if (v != v) {
+            v = -INFINITY;
+            x[i] = v;
+        }
+        cm = max(cm, comp_key(v, i));
+    }
+    // 2. log-probabilities of the raw logits
+    double lse = 0.0;
+    int ntop = 0;
+    if (p.logprobs >= 0) {
+        const float m = key_value((uint32_t)(block_reduce(cm, OpMaxU64(), sm) >> 32));
+        double s = 0.0;
+        for (int i = tid; i < n; i += S_THREADS) s = __dadd_rn(s, (double)exp_det(__fsub_rn(x[i], m)));
+        s = block_reduce(s, OpAddD(), sm);
+        lse = __dadd_rn((double)m, log(s));
+        ntop = min(p.logprobs, min(n, S_MAXTOP));
+        if (ntop > 0) {
+            const unsigned long long c = radix_search(x, n, 0ull, (double)ntop, false, 0.f, 0.0, sm);
+            const int nc = gather(x, n, c, sm);
+            sort_desc(nc, sm);
+            for (int j = tid; j < nc; j += S_THREADS) {
+                const unsigned long long k = sm.cand[j];
+                out->top[j].id = ~(uint32_t)k;
+                out->top[j].logprob = __double2float_rn(__dsub_rn((double)key_value((uint32_t)(k >> 32)), lse));
+            }
+        }
+    }
+    // 3. the mask
+    const uint32_t* words = p.mask_off >= 0 ? masks + p.mask_off : nullptr;
+    uint32_t first = 0;
+    if (words) {
+        const int nw = (n + 31) >> 5;
+        unsigned long long cnt = 0, fst = ~0ull;
+        for (int j = tid; j < nw; j += S_THREADS) {
+            uint32_t w = words[j];
+            if (j == nw - 1 && (n & 31)) w &= (1u << (n & 31)) - 1u;
+            cnt += __popc(w);
+            if (w && fst == ~0ull) fst = 32ull * j + (unsigned long long)(__ffs(w) - 1);
+        }
+        cnt = block_reduce(cnt, OpAddU64(), sm);
+        fst = block_reduce(fst, OpMinU64(), sm);
+        if (cnt == 0) {
+            if (tid == 0) {
+                out->token = 0;
+                out->status = S_NO_TOKEN;
+                out->logprob = 0.f;
+                out->n_top = 0;
+            }
+            return;
+        }
+        first = (uint32_t)fst;
+        for (int i = tid; i < n; i += S_THREADS)
+            if (!((words[i >> 5] >> (i & 31)) & 1u)) x[i] = -INFINITY;
+    }
+    __syncthreads();
+    // 4. logit bias, 5. penalties (ids unique within a row: one thread per id)
+    for (uint32_t j = tid; j < p.bias_len; j += S_THREADS) {
+        SampleBias* e = biases + p.bias_off + j;
+        if (e->id < (uint32_t)n) {
+            const float v = x[e->id];
+            e->raw = v;
+            x[e->id] = __fadd_rn(v, e->bias);
+        }
+    }
+    __syncthreads();
+    const float rep = p.repetition_penalty;
+    for (uint32_t j = tid; j < p.pen_len; j += S_THREADS) {
+        SamplePenalty* e = pens + p.pen_off + j;
+        if (e->id < (uint32_t)n) {
+            float v = x[e->id];
+            e->raw = v;
+            if (rep != 1.f && rep > 0.f) v = v > 0.f ? __fdiv_rn(v, rep) : __fmul_rn(v, rep);
+            x[e->id] = __fsub_rn(v, __fadd_rn(p.presence_penalty, __fmul_rn(p.frequency_penalty, (float)e->count)));
+        }
+    }
+    __syncthreads();
+    // 6. the draw; the argmax (-0 counted as +0, as the host's `>` does) is also the fallback
+    cm = 0;
+    for (int i = tid; i < n; i += S_THREADS) cm = max(cm, comp_key(__fadd_rn(x[i], 0.f), i));
+    cm = block_reduce(cm, OpMaxU64(), sm);
+    uint32_t token = ~(uint32_t)cm;
+    if (p.temperature > 0.f && cm >= S_LO_FINITE) {
+        const double u = first_uniform(p.seed);
+        if (p.top_k > 0 && p.top_k <= S_KMAX)
+            token = draw_topk(x, n, p, u, sm);
+        else
+            token = draw_scan(x, n, p, key_value((uint32_t)(cm >> 32)), u, sm);
+    }
+    if (words && !((words[token >> 5] >> (token & 31)) & 1u)) token = first;
+    // the token's log-probability, from its raw logit
+    float lp = 0.f;
+    if (p.logprobs >= 0) {
+        if (tid == 0) sm.found_b = sm.found_p = 0;
+        __syncthreads();
+        for (uint32_t j = tid; j < p.bias_len; j += S_THREADS)
+            if (biases[p.bias_off + j].id == token) {
+                sm.raw_b = biases[p.bias_off + j].raw;
+                sm.found_b = 1;
+            }
+        for (uint32_t j = tid; j < p.pen_len; j += S_THREADS)
+            if (pens[p.pen_off + j].id == token) {
+                sm.raw_p = pens[p.pen_off + j].raw;
+                sm.found_p = 1;
+            }
+        __syncthreads();
+        const float raw = sm.found_b ? sm.raw_b : sm.found_p ? sm.raw_p : x[token];
+        lp = __double2float_rn(__dsub_rn((double)raw, lse));
+    }
+    if (tid == 0) {
+        out->token = token;
+        out->status = S_OK;
+        out->logprob = lp;
+        out->n_top = (uint32_t)ntop;
+    }
+}
