@@ -21,7 +21,8 @@ use cudarc::driver::{sys, DriverError};
 use tern_engine::backend::{check_item, panic_message, Slots};
 use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, Want, Work};
 
-use crate::batch::{RowWant, MAX_SEQS};
+use crate::batch::{Draw, RowWant, MAX_SEQS};
+use crate::sample::SampleBatch;
 use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState, LState};
 
 /// The CUDA backend behind the engine's seam (interim: one [`DeviceState`] per sequence, see the module doc).
@@ -89,6 +90,14 @@ impl CudaSlots {
                 seq.read(w.ids)?;
                 Ok(Output::Token(Sampled { token: device_argmax(seq, s.limit)?, logprob: None }))
             }
+            Want::Sample(s) if seq.gpu_sampling => {
+                seq.read(w.ids)?;
+                let mut batch = SampleBatch::new(seq.model.config.vocab_size)?;
+                batch.push(s, s.mask.map(|m| m.wait()).transpose()?.flatten())?;
+                let g = &seq.model.gpu;
+                let drawn = g.sample_logits(&mut seq.st.logits, &batch)?.pop();
+                drawn.ok_or_else(|| anyhow!("the GPU sampler returned no row"))?.map(Output::Token)
+            }
             Want::Sample(s) => {
                 let mut logits = seq.forward_ids(w.ids)?;
                 sample_host(&mut logits, s).map(Output::Token)
@@ -148,7 +157,11 @@ impl Backend for CudaSlots {
         let copy = {
             let t = self.slots.lock();
             let s = t.get(seq).and_then(|s| s.state.as_ref()).ok_or(AllocError::Unknown(seq))?;
-            s.st.fork(&self.cuda.model.gpu).map(|st| CudaSequence { model: s.model.clone(), st })
+            s.st.fork(&self.cuda.model.gpu).map(|st| CudaSequence {
+                model: s.model.clone(),
+                st,
+                gpu_sampling: s.gpu_sampling,
+            })
         };
         let len = self.len(seq).unwrap_or(0);
         self.insert(copy, tokens.max(len))
@@ -233,16 +246,15 @@ impl CudaSlots {
         items: &mut [Option<CudaSequence>],
         group: &[usize],
     ) -> Vec<Result<Output>> {
-        let limit_of = |w: &Work| match &w.out {
-            Want::Sample(s) => s.limit,
-            _ => usize::MAX,
-        };
+        let gpu_sampling = cuda.opts.gpu_sampling;
         let want: Vec<RowWant> = group
             .iter()
-            .map(|&i| {
-                let w = &work[i];
-                let logits = !matches!(&w.out, Want::Nothing) && !matches!(&w.out, Want::Sample(s) if s.is_argmax());
-                RowWant { logits, limit: limit_of(w) }
+            .map(|&i| match &work[i].out {
+                Want::Nothing => RowWant { logits: false, draw: Draw::Nothing },
+                Want::Last | Want::All => RowWant { logits: true, draw: Draw::Nothing },
+                Want::Sample(s) if s.is_argmax() => RowWant { logits: false, draw: Draw::Argmax(s.limit) },
+                Want::Sample(s) if gpu_sampling => RowWant { logits: false, draw: Draw::Sample(s) },
+                Want::Sample(_) => RowWant { logits: true, draw: Draw::Nothing },
             })
             .collect();
         let ids: Vec<u32> = group.iter().map(|&i| work[i].ids[0]).collect();
@@ -266,14 +278,12 @@ impl CudaSlots {
             Ok(rows) => group
                 .iter()
                 .zip(rows)
-                .map(|(&i, row)| match (&work[i].out, row.logits) {
-                    (Want::Nothing, _) => Ok(Output::Nothing),
-                    (Want::Sample(s), _) if s.is_argmax() => {
-                        Ok(Output::Token(Sampled { token: row.argmax, logprob: None }))
-                    }
-                    (Want::Sample(s), Some(mut l)) => sample_host(&mut l, s).map(Output::Token),
-                    (Want::Last | Want::All, Some(l)) => Ok(Output::Logits(l)),
-                    _ => Err(anyhow!("a batched step returned no logits row")),
+                .map(|(&i, row)| match (&work[i].out, row.token, row.logits) {
+                    (Want::Nothing, _, _) => Ok(Output::Nothing),
+                    (Want::Sample(_), Some(t), _) => t.map(Output::Token),
+                    (Want::Sample(s), None, Some(mut l)) => sample_host(&mut l, s).map(Output::Token),
+                    (Want::Last | Want::All, _, Some(l)) => Ok(Output::Logits(l)),
+                    _ => Err(anyhow!("a batched step returned neither a token nor a logits row")),
                 })
                 .collect(),
         }

@@ -12,7 +12,8 @@
 //!   attn_decode_kv_seqs (flash-decoding splits over keys 0..=pos) → attn_combine_seqs (+ output gate → bf16) →
 //!   gemm_q4 (o_proj, + residual).
 //! - MoE: router and sort as the prefill (`prefill::moe_rows`), then the streamed expert kernels of moe_seqs.cu.
-//! - Then the final norm, the lm_head GEMM into `[B, vocab]` logits and argmax_seqs.
+//! - Then the final norm, the lm_head GEMM into `[B, vocab]` logits and one `sample_rows` launch for every row's draw
+//!   (crates/tern-cuda/src/sample.rs: greedy rows are temperature-0 draws below their limit).
 //!
 //! GEMM inputs are bf16 (the batch-1 decode graph keeps f32 activations), so a sequence's logits in a batch
 //! differ from its logits alone by bf16 rounding, as the prefill's do. The step leaves each sequence's length
@@ -26,7 +27,9 @@ use crate::gpu::Experts;
 use crate::gpu::{cfg, Gpu};
 use crate::model::{DMixer, DeviceModel};
 use crate::prefill::{log2_exact, moe_rows, scratch_rows, GdnDims, MoeExperts, MoeSorted, PrefillBuffers, SMEM_MAX};
+use crate::sample::SampleBatch;
 use crate::seq::{DeviceState, LState, Profile};
+use tern_engine::{Sample, Sampled, SamplingParams};
 
 /// The most sequences one batched step takes (a larger batch is split by the caller).
 pub const MAX_SEQS: usize = 64;
@@ -44,26 +47,37 @@ fn padx_len(n: usize) -> usize {
     n + (n >> 5) * 4 + 4
 }
 
-/// What a batched step should return for one row.
-#[derive(Clone, Copy, Debug)]
-pub struct RowWant {
-    /// The whole logits row.
-    pub logits: bool,
-    /// The argmax is taken over ids below this (the tokenizer's ids; rows past it are embedding padding).
-    pub limit: usize,
+/// The token a batched step draws for one row.
+#[derive(Clone, Copy)]
+pub enum Draw<'a> {
+    /// None (the row is read for its state, or only its logits are wanted).
+    Nothing,
+    /// The argmax over ids below this limit (ids past it are embedding padding).
+    Argmax(usize),
+    /// A draw on the device ([`crate::sample`]): penalties, bias, the mask (waited for after the forward pass is
+    /// enqueued), temperature, top-k/p, min-p, logprobs.
+    Sample(&'a Sample<'a>),
 }
 
 /// What a batched step returns for one row.
+#[derive(Clone, Copy)]
+pub struct RowWant<'a> {
+    /// The whole logits row (as the forward pass left it, before any draw).
+    pub logits: bool,
+    pub draw: Draw<'a>,
+}
+
+/// One row's results.
 #[derive(Debug)]
 pub struct RowOut {
-    /// The argmax over ids below the row's limit (ties → lower id).
-    pub argmax: u32,
-    /// The logits, when asked for.
+    /// The drawn token, unless the row asked for none (or its own draw failed: a bad parameter, a mask that allows
+    /// nothing).
+    pub token: Option<Result<Sampled>>,
     pub logits: Option<Vec<f32>>,
 }
 
 /// The batched step's own buffers (the activation rows are the prefill's [`crate::prefill::Scratch`]): positions,
-/// the per-layer pointer tables, attention queries and split partials, logits and argmax of [`MAX_SEQS`] rows.
+/// the per-layer pointer tables, attention queries and split partials, logits of [`MAX_SEQS`] rows.
 pub struct SeqScratch {
     posv: CudaSlice<i32>,
     /// `[layers, MAX_SEQS]`: GDN conv ring / attention K cache of each row's sequence.
@@ -73,7 +87,6 @@ pub struct SeqScratch {
     qbuf: CudaSlice<f32>,
     part: CudaSlice<f32>,
     logits: CudaSlice<f32>,
-    ids: CudaSlice<i32>,
     /// SwiGLU activations of the streamed MoE, `[MAX_SEQS * (k + 1), max(I, Is)]` f32.
     act: CudaSlice<f32>,
 }
@@ -92,7 +105,6 @@ impl SeqScratch {
                 qbuf: g.zeros(n * nh * hd)?,
                 part: g.zeros(n * nh * MAX_SPLIT * (hd + 2))?,
                 logits: g.zeros(n * c.vocab_size)?,
-                ids: g.zeros(n)?,
                 act: g.zeros(n * (c.num_experts_per_tok + 1) * imax)?,
             })
         };
@@ -101,7 +113,7 @@ impl SeqScratch {
 
     /// Device bytes these buffers hold.
     pub fn bytes(&self) -> usize {
-        4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len() + self.ids.len() + self.act.len())
+        4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len() + self.act.len())
             + 8 * (self.tab_a.len() + self.tab_b.len())
     }
 }
@@ -114,10 +126,10 @@ fn splits(g: &Gpu, n: usize, nkv: usize, max_len: usize) -> usize {
 }
 
 impl DeviceModel {
-    /// Read one token for each sequence (`ids[r]` into `seqs[r]`, distinct sequences) in one batched pass; every
-    /// row's argmax comes back (4 bytes a row cross to the host; the row itself only when asked for, or when the
-    /// argmax over the whole vocabulary lands at or past the row's limit). Input and shape checks come first and
-    /// change nothing; a failed launch leaves the sequences' states undefined.
+    /// Read one token for each sequence (`ids[r]` into `seqs[r]`, distinct sequences) in one batched pass and draw
+    /// each row's token on the device as `want[r]` says (the chosen ids and asked-for logprobs cross to the host;
+    /// a logits row only when asked for). Input and shape checks come first and change nothing; a failed launch
+    /// leaves the sequences' states undefined; a row's own bad draw fails that row alone.
     pub fn decode_seqs(&self, seqs: &mut [&mut DeviceState], ids: &[u32], want: &[RowWant]) -> Result<Vec<RowOut>> {
         self.decode_seqs_profiled(seqs, ids, want, None)
     }
@@ -227,27 +239,46 @@ impl DeviceModel {
             };
             moe_rows(self, li, sc, n, how, None, &mut mark)?;
         }
-        mark("lm_head (gemm) + argmax")?;
+        mark("lm_head (gemm) + sample")?;
         g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
         g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, vocab, false)?;
-        g.argmax_seqs(&sq.logits, n, vocab, &mut sq.ids)?;
-        mark("")?;
-
-        let argmax = g.stream.clone_dtoh(&sq.ids.slice(..n))?;
-        let mut out = Vec::with_capacity(n);
-        for (r, (w, &a)) in want.iter().zip(&argmax).enumerate() {
-            let limit = w.limit.clamp(1, vocab);
-            let (a, past) = (a.max(0) as usize, a as usize >= limit);
-            let logits = match w.logits || past {
+        // the rows asked for, before the sampler overwrites them; then the draws (masks are waited for here, while
+        // the pass runs), one launch for every row (rows that draw nothing or fail to pack take a greedy draw)
+        let mut out: Vec<RowOut> = Vec::with_capacity(n);
+        for (r, w) in want.iter().enumerate() {
+            let logits = match w.logits {
                 true => Some(g.stream.clone_dtoh(&sq.logits.slice(r * vocab..(r + 1) * vocab))?),
                 false => None,
             };
-            let argmax = match (&logits, past) {
-                (Some(l), true) => l[..limit].iter().enumerate().fold(0, |b, (i, &v)| if v > l[b] { i } else { b }),
-                _ => a,
-            };
-            out.push(RowOut { argmax: argmax as u32, logits: if w.logits { logits } else { None } });
+            out.push(RowOut { token: None, logits });
         }
+        let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+        let plain = |limit| Sample { params: &greedy, seed: 0, history: &[], top_logprobs: None, limit, mask: None };
+        let mut batch = SampleBatch::new(vocab)?;
+        let mut failed: Vec<Option<anyhow::Error>> = Vec::with_capacity(n);
+        for w in want {
+            let packed = match w.draw {
+                Draw::Nothing => batch.push(&plain(vocab), None),
+                Draw::Argmax(limit) => batch.push(&plain(limit), None),
+                Draw::Sample(s) => match s.mask.map(|m| m.wait()).transpose() {
+                    Ok(mask) => batch.push(s, mask.flatten()),
+                    Err(e) => Err(e),
+                },
+            };
+            failed.push(packed.err());
+            if failed.last().is_some_and(|f| f.is_some()) {
+                batch.push(&plain(vocab), None)?; // keeps row r at index r
+            }
+        }
+        let outs = g.sample_download(&mut sq.logits, &batch)?;
+        for (r, ((w, o), f)) in want.iter().zip(batch.sampled(&outs)).zip(failed).enumerate() {
+            out[r].token = match (w.draw, f) {
+                (Draw::Nothing, _) => None,
+                (_, Some(e)) => Some(Err(e)),
+                (_, None) => Some(o),
+            };
+        }
+        mark("")?;
         g.stream.synchronize()?;
         if let Some(p) = prof {
             for w in events.windows(2) {
@@ -475,18 +506,6 @@ impl Gpu {
         // act and ybuf, expert ids inside the buffer; each expert's inner size (I or Is) <= imax = act's row stride;
         // shared memory sized for imax (checked against the opt-in limit).
         unsafe { l.launch(cfg(grid, 256, smem)) }?;
-        Ok(())
-    }
-
-    /// `ids[r] = argmax(logits[r])` for `n` rows of `cols` (ties → lower index).
-    pub fn argmax_seqs(&self, logits: &CudaSlice<f32>, n: usize, cols: usize, ids: &mut CudaSlice<i32>) -> Result<()> {
-        ensure!((1..=65535).contains(&n) && cols > 0 && cols <= i32::MAX as usize, "argmax_seqs: {n} x {cols}");
-        ensure!(logits.len() >= n * cols && ids.len() >= n, "argmax_seqs: buffers");
-        let c = cols as i32;
-        let mut l = self.launcher(&self.f.argmax_seqs);
-        l.arg(logits).arg(&c).arg(&*ids);
-        // SAFETY: matches argmax_seqs in misc.cu; one block per row, rows < n inside logits and ids (checked).
-        unsafe { l.launch(cfg((n as u32, 1), 1024, 0)) }?;
         Ok(())
     }
 }

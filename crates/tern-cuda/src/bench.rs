@@ -152,7 +152,7 @@ const BATCHES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 /// routing, 1 - (1 - k/E)^B of them — once each, every sequence's GDN state read and written and its KV read, at 4.3
 /// TB/s); then a per-kernel profile of one step at 32 sequences.
 pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()> {
-    use crate::batch::{RowWant, MAX_SEQS};
+    use crate::batch::{Draw, RowWant, MAX_SEQS};
     use crate::seq::DeviceState;
     let m = &be.model;
     let (g, c) = (m.gpu.clone(), &m.config);
@@ -176,33 +176,56 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
     let dense = m.weight_bytes_per_token() - layers * k * expert;
     let gdn_state = 2 * n_gdn * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4;
     let kv = n_attn * ctx * c.num_key_value_heads * c.head_dim * 2 * 2;
-    println!("batched decode, {ctx} tokens of context per sequence (DeviceModel::decode_seqs; no graph):");
-    println!("{:>6} {:>10} {:>10} {:>9} {:>10} {:>6}", "seqs", "ms/step", "tok/s", "experts", "ceil t/s", "%");
+    println!("batched decode, {ctx} tokens of context per sequence (DeviceModel::decode_seqs; no graph); greedy, and");
+    println!("sampled on the GPU at temperature 0.7, top-p 0.95, top-k 20:");
+    println!(
+        "{:>6} {:>10} {:>10} {:>10} {:>9} {:>10} {:>6}",
+        "seqs", "ms/step", "tok/s", "sampled/s", "experts", "ceil t/s", "%"
+    );
     let fl = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let hot = tern_engine::SamplingParams { temperature: 0.7, top_p: 0.95, top_k: 20, ..Default::default() };
+    let sample = |r: u64| tern_engine::Sample {
+        params: &hot,
+        seed: r,
+        history: &[],
+        top_logprobs: None,
+        limit: c.vocab_size,
+        mask: None,
+    };
+    let samples: Vec<tern_engine::Sample> = (0..bmax as u64).map(sample).collect();
     for &b in BATCHES.iter().filter(|&&b| b <= bmax) {
         let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
-        let want = vec![RowWant { logits: false, limit: c.vocab_size }; b];
-        let mut times = Vec::new();
-        for rep in 0..=repeats {
-            let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
-            for s in refs.iter_mut() {
-                s.set_len(&g, ctx)?;
+        let greedy = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
+        let sampled: Vec<RowWant> =
+            samples[..b].iter().map(|s| RowWant { logits: false, draw: Draw::Sample(s) }).collect();
+        let mut ms = [0.0; 2];
+        for (want, ms) in [&greedy, &sampled].into_iter().zip(ms.iter_mut()) {
+            let mut times = Vec::new();
+            for rep in 0..=repeats {
+                let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+                for s in refs.iter_mut() {
+                    s.set_len(&g, ctx)?;
+                }
+                let a = g.stream.record_event(fl)?;
+                for _ in 0..8 {
+                    m.decode_seqs(&mut refs, &ids, want)?;
+                }
+                let z = g.stream.record_event(fl)?;
+                if rep > 0 {
+                    times.push(a.elapsed_ms(&z)? as f64 / 8.0); // the first run warms up (buffers, modules)
+                }
             }
-            let a = g.stream.record_event(fl)?;
-            for _ in 0..8 {
-                m.decode_seqs(&mut refs, &ids, &want)?;
-            }
-            let z = g.stream.record_event(fl)?;
-            if rep > 0 {
-                times.push(a.elapsed_ms(&z)? as f64 / 8.0); // the first run warms up (buffers, modules)
-            }
+            *ms = median(&mut times);
         }
-        let ms = median(&mut times);
         let distinct = e as f64 * (1.0 - (1.0 - k as f64 / e as f64).powi(b as i32));
         let bytes = dense as f64 + layers as f64 * distinct * expert as f64 + b as f64 * (gdn_state + kv) as f64;
         let ceil = b as f64 * BW / bytes;
-        let tps = b as f64 * 1e3 / ms;
-        println!("{b:>6} {ms:>10.3} {tps:>10.0} {distinct:>9.1} {ceil:>10.0} {:>5.1}%", 100.0 * tps / ceil);
+        let (tps, sps) = (b as f64 * 1e3 / ms[0], b as f64 * 1e3 / ms[1]);
+        println!(
+            "{b:>6} {:>10.3} {tps:>10.0} {sps:>10.0} {distinct:>9.1} {ceil:>10.0} {:>5.1}%",
+            ms[0],
+            100.0 * tps / ceil
+        );
     }
     println!("(ceiling: bytes per step / 4.3 TB/s; experts: expected distinct routed experts per layer)");
     let b = 32.min(bmax);
@@ -211,7 +234,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
         s.set_len(&g, ctx)?;
     }
     let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
-    let want = vec![RowWant { logits: false, limit: c.vocab_size }; b];
+    let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
     let mut p = Profile::default();
     m.decode_seqs_profiled(&mut refs, &ids, &want, Some(&mut p))?;
     let total: f64 = p.ops.iter().map(|o| o.1).sum();
@@ -350,7 +373,6 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         1 => "embed",
         2 => "argmax_partial",
         3 => "argmax_final",
-        4 => "argmax_seqs",
         10 => "gemv_reg",
         11 => "router_topk",
         12 => "gemv_tma",

@@ -326,6 +326,9 @@ pub struct CudaOptions {
     /// more; otherwise each through its own batch-1 graph. Default: off, or `TERN_BATCH_DECODE=1` — the batched
     /// step has not yet run on a GPU (see docs/cuda-notes.md, "Batched decode").
     pub batched_decode: bool,
+    /// Draws other than plain greedy run on the device ([`crate::sample`]): only the ids and asked-for logprobs
+    /// cross to the host. Default: off, or `TERN_GPU_SAMPLING=1` — not yet run on a GPU either.
+    pub gpu_sampling: bool,
 }
 
 impl Default for CudaOptions {
@@ -334,6 +337,7 @@ impl Default for CudaOptions {
             max_context: 8192,
             prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
             batched_decode: std::env::var("TERN_BATCH_DECODE").is_ok_and(|v| v == "1"),
+            gpu_sampling: std::env::var("TERN_GPU_SAMPLING").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -377,13 +381,16 @@ impl CudaBackend {
     }
 
     pub fn new_cuda_sequence(&self) -> Result<CudaSequence> {
-        Ok(CudaSequence { model: self.model.clone(), st: DeviceState::new(&self.model, self.opts.max_context)? })
+        let st = DeviceState::new(&self.model, self.opts.max_context)?;
+        Ok(CudaSequence { model: self.model.clone(), st, gpu_sampling: self.opts.gpu_sampling })
     }
 }
 
 pub struct CudaSequence {
     pub model: Arc<DeviceModel>,
     pub st: DeviceState,
+    /// [`CudaOptions::gpu_sampling`] of the backend that made it.
+    pub gpu_sampling: bool,
 }
 
 // SAFETY: the CUDA graph inside DeviceState is only touched through `&mut self` (one thread at a time); device

@@ -8,10 +8,11 @@
 //! Without a CUDA device each test prints `NO GPU: <name> not run ...` and passes; `TERN_REQUIRE_CUDA=1` turns
 //! that into a failure.
 
-use tern_cuda::batch::{RowWant, MAX_SEQS};
+use tern_cuda::batch::{Draw, RowWant, MAX_SEQS};
+use tern_cuda::sample::{sample_reference, SampleBatch};
 use tern_cuda::seq::CudaOptions;
 use tern_cuda::{gpu_or_skip, CudaBackend, CudaSlots, DeviceState};
-use tern_engine::{Backend, Output, Sample, SamplingParams, SeqId, Want, Work};
+use tern_engine::{mask_allows, Backend, MaskSlot, Output, Sample, SamplingParams, SeqId, Want, Work};
 
 mod common;
 use common::*;
@@ -58,11 +59,11 @@ fn compare(be: &CudaBackend, b: usize, steps: usize, batched_until: usize) -> (V
             .collect();
         let lb: Vec<Vec<f32>> = if step < batched_until {
             let mut refs: Vec<&mut DeviceState> = bat.iter_mut().collect();
-            let want = vec![RowWant { logits: true, limit: v }; b];
+            let want = vec![RowWant { logits: true, draw: Draw::Argmax(v) }; b];
             let rows = m.decode_seqs(&mut refs, &next, &want).unwrap();
             for (r, row) in rows.iter().enumerate() {
-                let l = row.logits.as_ref().unwrap();
-                assert_eq!(row.argmax as usize, argmax(l), "step {step} row {r}: device argmax vs its own logits");
+                let (l, t) = (row.logits.as_ref().unwrap(), row.token.as_ref().unwrap().as_ref().unwrap());
+                assert_eq!(t.token as usize, argmax(l), "step {step} row {r}: the device's greedy draw vs its logits");
             }
             rows.into_iter().map(|r| r.logits.unwrap()).collect()
         } else {
@@ -128,16 +129,17 @@ fn batched_decode_full_shape() {
     assert!(max <= yx && same == decided, "full shape: median {med} max {max}, ids {same}/{decided}");
 }
 
-/// Through the backend seam with batched decode on: one step holding five decodes (plain greedy draws, a sampled
-/// draw, a logits row, nothing) and a prompt chunk gives every item what the same step gives with batched decode off;
-/// a bad id fails its own item only.
+/// Through the backend seam with batched decode and GPU sampling on: one step holding five decodes (plain greedy
+/// draws, sampled draws with and without logprobs, a logits row, nothing) and a prompt chunk gives every item what
+/// the same step gives with both off (the host sampler draws the same ids on the top-k path, up to the batched
+/// logits' bf16 rounding); a bad id fails its own item only.
 #[test]
 fn backend_step_batches_decodes_and_keeps_items_apart() {
     let Some(_g) = gpu_or_skip("backend_step_batches_decodes_and_keeps_items_apart") else { return };
     let w = tiny_b_q4();
     let v = w.config.vocab_size;
     let make = |batched| {
-        let opts = CudaOptions { batched_decode: batched, ..CudaOptions::with_context(128) };
+        let opts = CudaOptions { batched_decode: batched, gpu_sampling: batched, ..CudaOptions::with_context(128) };
         CudaSlots::new(CudaBackend::new(&w, opts).unwrap())
     };
     let (on, off) = (make(true), make(false));
@@ -190,6 +192,86 @@ fn backend_step_batches_decodes_and_keeps_items_apart() {
     assert!(differ.len() <= 1, "{differ:?}");
 }
 
+/// Every kind of draw in one batched step, each against the sampler's reference on the logits row the step itself
+/// produced (so the comparison is exact): nothing, greedy below a limit, sampled, sampled with logprobs, a mask that
+/// allows a few ids (waited for after the pass is enqueued), and a bad request, which fails its own row alone.
+#[test]
+fn batched_draws_match_the_sampler_on_their_rows() {
+    let Some(_g) = gpu_or_skip("batched_draws_match_the_sampler_on_their_rows") else { return };
+    let w = tiny_b_q4();
+    let v = w.config.vocab_size;
+    let be = CudaBackend::new(&w, CudaOptions::with_context(64)).unwrap();
+    let m = &be.model;
+    let hot = SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.95, ..Default::default() };
+    let wide = SamplingParams { temperature: 1.0, ..Default::default() };
+    let mut words = vec![0u32; v.div_ceil(32)];
+    for id in [3usize, 77, 200, 201, v - 1] {
+        words[id / 32] |= 1 << (id % 32);
+    }
+    let slot = MaskSlot::pending();
+    let draw = |p, seed, top: Option<usize>, mask| Sample {
+        params: p,
+        seed,
+        history: &[5, 5, 9],
+        top_logprobs: top,
+        limit: v,
+        mask,
+    };
+    let samples = [
+        draw(&hot, 1, None, None),
+        draw(&wide, 2, Some(3), None),
+        draw(&wide, 3, None, Some(&slot)),
+        draw(&hot, 4, Some(99), None), // more top logprobs than the sampler returns: this row fails alone
+    ];
+    let want = [
+        RowWant { logits: true, draw: Draw::Nothing },
+        RowWant { logits: true, draw: Draw::Argmax(v / 2) },
+        RowWant { logits: true, draw: Draw::Sample(&samples[0]) },
+        RowWant { logits: true, draw: Draw::Sample(&samples[1]) },
+        RowWant { logits: true, draw: Draw::Sample(&samples[2]) },
+        RowWant { logits: true, draw: Draw::Sample(&samples[3]) },
+    ];
+    let mut states: Vec<DeviceState> = (0..want.len()).map(|_| be.new_cuda_sequence().unwrap().st).collect();
+    for (i, st) in states.iter_mut().enumerate() {
+        st.prefill(m, &prompt(i as u64, 5 + i, v), false, false).unwrap();
+    }
+    let mut refs: Vec<&mut DeviceState> = states.iter_mut().collect();
+    let ids: Vec<u32> = (0..want.len() as u32).collect();
+    // the mask arrives from another thread while the step runs (as the constraint workers fill it)
+    let rows = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            slot.fill(Ok(Some(words.clone())));
+        });
+        m.decode_seqs(&mut refs, &ids, &want).unwrap()
+    });
+    assert!(rows[0].token.is_none());
+    let l1 = rows[1].logits.as_ref().unwrap();
+    let t1 = rows[1].token.as_ref().unwrap().as_ref().unwrap().token as usize;
+    assert_eq!(t1, argmax(&l1[..v / 2]), "greedy below the limit");
+    for (r, s) in [(2, &samples[0]), (3, &samples[1]), (4, &samples[2])] {
+        let mut one = SampleBatch::new(v).unwrap();
+        let mask = s.mask.and_then(|m| m.wait().unwrap());
+        one.push(s, mask).unwrap();
+        let l = rows[r].logits.as_ref().unwrap();
+        let want = &sample_reference(l, &one).unwrap()[0];
+        let got = rows[r].token.as_ref().unwrap().as_ref().unwrap();
+        assert_eq!(got.token, want.out.token, "row {r}: batched draw vs the reference on its own row");
+        if let Some(lp) = &got.logprob {
+            assert!((lp.logprob - want.out.logprob).abs() < 1e-5, "row {r}: logprob");
+            assert_eq!(lp.top.len(), 3);
+        }
+        if s.mask.is_some() {
+            assert!(mask_allows(&words, got.token), "row {r}: drew {} outside the mask", got.token);
+        }
+    }
+    let e = rows[5].token.as_ref().unwrap().as_ref().unwrap_err();
+    assert!(format!("{e:#}").contains("top_logprobs"), "{e:#}");
+    println!(
+        "batched draws: greedy {t1}, sampled/logprobs/masked rows equal to the reference on their rows; bad row: {e:#}"
+    );
+}
+
 /// Bad input to the batched step is a clear error and changes no sequence.
 #[test]
 fn batched_decode_rejects_bad_input() {
@@ -199,7 +281,7 @@ fn batched_decode_rejects_bad_input() {
     let be = CudaBackend::new(&w, CudaOptions::with_context(8)).unwrap();
     let m = &be.model;
     let (mut a, mut b) = (be.new_cuda_sequence().unwrap().st, be.new_cuda_sequence().unwrap().st);
-    let want = [RowWant { logits: false, limit: v }; 2];
+    let want = [RowWant { logits: false, draw: Draw::Argmax(v) }; 2];
     let e = m.decode_seqs(&mut [&mut a, &mut b], &[1, v as u32], &want).unwrap_err();
     assert!(format!("{e:#}").contains("outside the vocabulary"), "{e:#}");
     assert_eq!((a.len, b.len), (0, 0));

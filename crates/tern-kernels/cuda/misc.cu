@@ -2,8 +2,6 @@
 // embed_q4      : x[c] = scale * q + bias for row tok[0] of the 4-bit embedding [vocab, H]. Bytes H/2 + scales.
 // argmax_partial: per-block (max, index) of logits [n] (ties -> lower index). Bytes 4n.
 // argmax_final  : reduces the partials, writes tok[0] = argmax and advances the position counter pos[0] += 1.
-// argmax_seqs   : ids[r] = argmax of row r of logits [B, n] (ties -> lower index; 0 if the row is all NaN/-inf);
-//                 one block of 1024 threads per row (batched decode). Bytes 4*B*n.
 // fill_u32_hash / fill_bf16 / fill_f32_uniform: random weights generated on the device (benchmark model).
 #include "common.cuh"
 
@@ -72,41 +70,6 @@ extern "C" __global__ void argmax_final(const float* __restrict__ pv, const int*
     if (threadIdx.x == 0) {
         tok[0] = bi == 0x7fffffff ? 0 : bi;
         pos[0] += 1;
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(1024) argmax_seqs(const float* __restrict__ logits, int n,
-                                                                int* __restrict__ ids) {
-    KTRACE(4);
-    pdl_wait();
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    const float* v = logits + (long)blockIdx.x * n;
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float x = v[i];
-        if (x > bv) { bv = x; bi = i; }  // ascending i per thread: the first of equal values stays
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { sv[warp] = bv; si[warp] = bi; }
-    __syncthreads();
-    if (warp == 0) {
-        bv = lane < (int)(blockDim.x >> 5) ? sv[lane] : -INFINITY;
-        bi = lane < (int)(blockDim.x >> 5) ? si[lane] : 0x7fffffff;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) ids[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
     }
 }
 

@@ -688,7 +688,8 @@ async fn metrics(State(st): State<Shared>) -> Response {
             get(&s.mask_wait_us) / 1e6,
         );
         metric("requests_running", "gauge", "requests being decoded", s.active.load(Ordering::Relaxed) as f64);
-        let (entries, bytes) = (s.prefix_cache_entries.load(Ordering::Relaxed), s.prefix_cache_bytes.load(Ordering::Relaxed));
+        let (entries, bytes) =
+            (s.prefix_cache_entries.load(Ordering::Relaxed), s.prefix_cache_bytes.load(Ordering::Relaxed));
         metric("prefix_cache_entries", "gauge", "sequence snapshots the prefix cache holds", entries as f64);
         metric("prefix_cache_bytes", "gauge", "backend state bytes the prefix cache holds (bounded)", bytes as f64);
     }
