@@ -23,8 +23,8 @@
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaView, DevicePtr};
 
-use crate::gpu::Experts;
 use crate::gpu::{cfg, Gpu};
+use crate::gpu::{Experts, QMat};
 use crate::model::{DMixer, DeviceModel};
 use crate::prefill::{log2_exact, moe_rows, scratch_rows, GdnDims, MoeExperts, MoeSorted, PrefillBuffers, SMEM_MAX};
 use crate::sample::SampleBatch;
@@ -38,6 +38,9 @@ const MAX_SPLIT: usize = 32;
 /// j per block and tokens per pass of moe_gate_up_seqs, output rows per block and tokens per pass of moe_down_seqs
 /// (GU_J, GU_TG, DS_RB, DS_TG in moe_seqs.cu).
 const GU_J: usize = 16;
+/// Rows and tokens per block of router_seqs (RS_R, RS_TG in moe_seqs.cu).
+const RS_R: usize = 16;
+const RS_TG: usize = 4;
 const GU_TG: usize = 4;
 const DS_RB: usize = 64;
 const DS_TG: usize = 8;
@@ -431,6 +434,35 @@ impl Gpu {
         // SAFETY: matches attn_combine_seqs in attention.cu; grid (nh, n) of 1024 threads (1024 / hd groups); shapes
         // checked above.
         unsafe { l.launch(cfg((nh as u32, n as u32), 1024, 0)) }?;
+        Ok(())
+    }
+
+    /// Router logits `[n, rows]` of f32 `xn` `[n, cols]` for a few rows (the batched step): many small blocks of
+    /// 16 weight rows × 4 tokens with the decode router's arithmetic, where [`Gpu::router_rows`]'s 64 × 64 tiles leave
+    /// most of the GPU idle at n ≤ 64.
+    pub fn router_seqs(&self, m: &QMat, xn: &CudaSlice<f32>, n: usize, logits: &mut CudaSlice<f32>) -> Result<()> {
+        let cpv = 128 / m.bits as usize;
+        let f = match m.bits {
+            8 => &self.f.router_seqs_q8,
+            4 => &self.f.router_seqs_q4,
+            b => bail!("router_seqs: {b}-bit weights (4 or 8)"),
+        };
+        ensure!(
+            m.cols % cpv == 0 && m.cols <= 2048,
+            "router_seqs: {} columns (a multiple of {cpv}, at most 2048)",
+            m.cols
+        );
+        ensure!(m.gs >= cpv, "router_seqs: group size {} below {cpv}", m.gs);
+        ensure!((1..=65535 * RS_TG).contains(&n), "router_seqs: {n} rows");
+        ensure!(xn.len() >= n * m.cols && logits.len() >= n * m.rows, "router_seqs: buffers");
+        let gshift = log2_exact(m.gs / cpv, "router_seqs: group size")?;
+        let (r, c, ni) = (m.rows as i32, m.cols as i32, n as i32);
+        let mut l = self.launcher(f);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(&gshift).arg(xn).arg(&ni).arg(&*logits);
+        // SAFETY: matches router_seqs_q{4,8} in moe_seqs.cu (static shared memory for cols <= 2048, checked); W is a
+        // whole QMat (rows x cols codes, scales/biases per group), row loads clamped to rows - 1 in the kernel; xn holds
+        // n rows of cols, logits n rows of rows (checked); blocks past n tokens stage zeros and store nothing.
+        unsafe { l.launch(cfg((m.rows.div_ceil(RS_R) as u32, n.div_ceil(RS_TG) as u32), 256, 0)) }?;
         Ok(())
     }
 

@@ -390,6 +390,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         42 => "moe_down",
         43 => "moe_gate_up_seqs",
         44 => "moe_down_seqs",
+        45 => "router_seqs",
         50 => "sample_rows",
         _ => "?",
     };

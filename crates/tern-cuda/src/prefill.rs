@@ -956,8 +956,9 @@ impl DeviceState {
     }
 }
 
-/// How the MoE block's expert products run: tensor-core GEMMs over 64-token tiles (prefill), or streamed over the
-/// few tokens each expert gets in a decode batch (f32 activations in `act`, `[n * (k + 1), max(I, Is)]`).
+/// How the MoE block's router and expert products run: router_rows and tensor-core GEMMs over 64-token tiles
+/// (prefill), or router_seqs and the streamed kernels over the few tokens each expert gets in a decode batch (f32
+/// activations in `act`, `[n * (k + 1), max(I, Is)]`).
 pub(crate) enum MoeExperts<'a> {
     Gemm,
     Streamed { act: &'a mut CudaSlice<f32> },
@@ -982,8 +983,16 @@ pub(crate) fn moe_rows(
     ensure!(l.router.rows == e + 1, "layer {li}: router rows {} != experts + 1", l.router.rows);
     mark("rmsnorm")?;
     g.rmsnorm_rows(&sc.x, n, &l.post_norm, eps, &mut sc.xb, Some(&mut sc.xn))?;
-    mark("moe_router (f32)")?;
-    g.router_rows(&l.router, &sc.xn, n, &mut sc.rlogits)?;
+    match how {
+        MoeExperts::Gemm => {
+            mark("moe_router (f32)")?;
+            g.router_rows(&l.router, &sc.xn, n, &mut sc.rlogits)?;
+        }
+        MoeExperts::Streamed { .. } => {
+            mark("moe_router (seqs)")?;
+            g.router_seqs(&l.router, &sc.xn, n, &mut sc.rlogits)?;
+        }
+    }
     mark("moe_topk+align")?;
     g.topk_rows(&sc.rlogits, e, k, n, &mut sc.idx, &mut sc.wts)?;
     if let Some(r) = routes {

@@ -193,6 +193,10 @@ fn moe_rows_match_cpu() {
                 let want_logits: Vec<f32> =
                     (0..n).flat_map(|t| want_l[t * e..(t + 1) * e].iter().copied().chain([want_sg[t]])).collect();
                 let e_router = rel(&glog, &want_logits);
+                // the batched decode step's router on the same rows (the decode router's arithmetic)
+                let mut seq_logits = g.zeros::<f32>(n * (e + 1)).unwrap();
+                g.router_seqs(&dl.router, &b.xn, n, &mut seq_logits).unwrap();
+                let e_router_seqs = rel(&g.download(&seq_logits).unwrap(), &want_logits);
                 let mut ids: Vec<usize> = g
                     .download(&b.idx)
                     .unwrap()
@@ -245,11 +249,12 @@ fn moe_rows_match_cpu() {
                 let (s_max, s_norm) = (rel(&got_s, &want), rel2(&got_s, &want));
                 let ntile = g.download(&b.sorted.ntile).unwrap()[0];
                 report.push(format!(
-                    "{name} N={n}{}: router {e_router:.1e}, out max {e_max:.1e} norm {e_norm:.1e}, streamed max \
+                    "{name} N={n}{}: router {e_router:.1e} (seqs {e_router_seqs:.1e}), out max {e_max:.1e} norm {e_norm:.1e}, streamed max \
                      {s_max:.1e} norm {s_norm:.1e} ({ntile} tiles)",
                     if forced { " forced (all on expert 0, expert 1 empty)" } else { "" }
                 ));
                 assert!(e_router < 1e-5, "{name} N={n}: router logits {e_router}");
+                assert!(e_router_seqs < 1e-5, "{name} N={n}: router_seqs logits {e_router_seqs}");
                 assert!(e_max < 1e-2 && e_norm < 5e-3, "{name} N={n} forced={forced}: MoE output {e_max} / {e_norm}");
                 // f32 activations and exact dequantisation: only f32 summation order differs from the CPU
                 assert!(s_max < 1e-4 && s_norm < 2e-5, "{name} N={n} forced={forced}: streamed MoE {s_max} / {s_norm}");

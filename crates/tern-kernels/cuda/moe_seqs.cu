@@ -7,6 +7,12 @@
 // for a 64-token tile that holds 1-4 tokens, these read each weight byte once and do 2 instructions per weight and
 // token.
 //
+// router_seqs_q{4,8} logits[t, r] = W[r] . xn[t] for the n rows of xn [n, cols] and the rows of W (the router and
+//                   the shared-expert gate, rows = E + 1): grid (rows / 16, n / 4); each block stages its 4 tokens
+//                   (x 2^90, chunk sums) and each warp streams 2 weight rows from global memory (L2: the router is
+//                   0.5 MB) through chunk_dot, the decode router's arithmetic. Where router_rows (prefill.cu) runs
+//                   5 blocks of 64 x 64 outputs for any n <= 64, this runs (rows / 16) x (n / 4) small ones.
+//                   Bytes rows*cols*BITS/8 per token group (L2) + 4*n*cols. FLOPs 2*n*rows*cols.
 // moe_gate_up_seqs  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t, expert e) of
 //                   tile blockIdx.y (t = rowmap[p]), rows j in [16 blockIdx.x, +16) of the expert's n = I (or Is for
 //                   the shared expert E); xn f32 [N, H] (the post-norm rows), act f32 [pairs, ld]. 256 threads, warp
@@ -20,17 +26,20 @@
 // groups (u32 words / scale entries), row bytes multiples of 16; tiles from moe_align over the same pairs.
 #include "common.cuh"
 
+#define RS_R 16   // router rows per block (2 per warp)
+#define RS_TG 4   // router tokens per block
 #define GU_J 16  // j per block (2 * GU_J rows: gate and up)
 #define GU_TG 4  // tokens per pass
 #define DS_RB 64  // output rows per block
 #define DS_TG 8   // tokens per pass
 
-// Stage rows rowmap[p0 + i] (i < nt, up to TG rows) of src [*, n] (f32) into xs[i] (x DN_XSCALE, padded) and
-// their 32-column sums into cs[i][c]; rows i >= nt are zero. Every thread of the block calls it (shuffles over the
-// 8 threads of a chunk: n % 32 == 0).
-template <int TG>
+// Stage rows rowmap[p0 + i] (or p0 + i when direct; i < nt, up to TG rows) of src [*, ld] (f32, n columns) into
+// xs[i] (x DN_XSCALE, padded) and their CPV-column sums into cs[i][c]; rows i >= nt are zero. Every thread of the
+// block calls it (shuffles over the CPV/4 threads of a chunk: n % CPV == 0).
+template <int TG, int CPV = 32>
 __device__ __forceinline__ void stage_rows(const float* __restrict__ src, long ld, const int* __restrict__ rowmap,
                                            int p0, int nt, int n, bool direct, float* xs, int xstride, float* cs) {
+    constexpr int TPC = CPV / 4;  // threads per chunk
     const int n4 = n / 4, total = TG * n4;
     for (int i0 = 0; i0 < total; i0 += blockDim.x) {  // uniform trip count: the shuffles see every lane
         const int i = i0 + threadIdx.x;
@@ -41,13 +50,12 @@ __device__ __forceinline__ void stage_rows(const float* __restrict__ src, long l
             v = *reinterpret_cast<const float4*>(src + row * ld + 4 * c4);
         }
         float sum = v.x + v.y + v.z + v.w;
-        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-        sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-        sum += __shfl_xor_sync(FULL_MASK, sum, 4);
+#pragma unroll
+        for (int o = 1; o < TPC; o <<= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
         if (i < total) {
             *reinterpret_cast<float4*>(xs + tt * xstride + padx(4 * c4)) =
                 make_float4(v.x * DN_XSCALE, v.y * DN_XSCALE, v.z * DN_XSCALE, v.w * DN_XSCALE);
-            if ((c4 & 7) == 0) cs[tt * (n / 32) + c4 / 8] = sum;
+            if ((c4 & (TPC - 1)) == 0) cs[tt * (n / CPV) + c4 / TPC] = sum;
         }
     }
 }
@@ -224,3 +232,69 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down_seqs(
         }
     }
 }
+
+template <int BITS>
+__device__ __forceinline__ void router_seqs_body(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                                 const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift,
+                                                 const float* __restrict__ xn, int n, float* __restrict__ logits) {
+    constexpr int CPV = 128 / BITS;  // columns per 16-byte chunk
+    __shared__ __align__(16) float xs[RS_TG * (2048 + 2048 / 8 + 4)];
+    __shared__ float cs[RS_TG * (2048 / 16)];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nvec = cols / CPV, ng = cols >> (gshift + (BITS == 4 ? 5 : 4)), xstride = padx_len(cols);
+    const int t0 = blockIdx.y * RS_TG, nt = min(RS_TG, n - t0);
+    pdl_wait();  // xn comes from the post-norm
+    stage_rows<RS_TG, CPV>(xn, cols, nullptr, t0, nt, cols, true, xs, xstride, cs);
+    __syncthreads();
+    const int r0 = blockIdx.x * RS_R + 2 * warp;
+    const uint4* wr[2];
+    const __nv_bfloat16 *sr[2], *br[2];
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+        const int row = min(r0 + q, rows - 1);  // a valid address; a row past the end is never stored
+        wr[q] = reinterpret_cast<const uint4*>(w) + (long)row * nvec;
+        sr[q] = s + (long)row * ng;
+        br[q] = b + (long)row * ng;
+    }
+    float tot[RS_TG][2];
+#pragma unroll
+    for (int t = 0; t < RS_TG; t++) tot[t][0] = tot[t][1] = 0.f;
+#pragma unroll 1
+    for (int u = lane; u < nvec; u += 32) {
+        const int g = u >> gshift;
+        uint4 wv[2];
+        float sc[2], bs[2];
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            wv[q] = __ldg(wr[q] + u);
+            sc[q] = bf(sr[q][g]);
+            bs[q] = bf(br[q][g]);
+        }
+#pragma unroll
+        for (int t = 0; t < RS_TG; t++)
+            if (t < nt) chunk_dot<BITS, 2>(wv, xs + t * xstride + padx(u * CPV), sc, bs, cs[t * nvec + u], tot[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < RS_TG; t++) {
+        tot[t][0] = warp_sum(tot[t][0]);
+        tot[t][1] = warp_sum(tot[t][1]);
+    }
+    float v = 0.f;
+#pragma unroll
+    for (int t = 0; t < RS_TG; t++)
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+            if (lane == 2 * t + q) v = tot[t][q];
+    const int t = lane >> 1, row = r0 + (lane & 1);
+    if (lane < 2 * RS_TG && t < nt && row < rows) logits[(long)(t0 + t) * rows + row] = v;
+}
+
+#define ROUTER_SEQS(BITS)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) router_seqs_q##BITS(                                      \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,       \
+        const float* xn, int n, float* logits) {                                                                 \
+        KTRACE(45);                                                                                              \
+        router_seqs_body<BITS>(w, s, b, rows, cols, gshift, xn, n, logits);                                      \
+    }
+ROUTER_SEQS(8)
+ROUTER_SEQS(4)
