@@ -173,6 +173,18 @@ fn backend_step_batches_decodes_and_keeps_items_apart() {
                 });
             }
         }
+        // a fresh sequence's sampled decodes alone: the batch-1 graph, then the GPU sampler (on) or the host's (off)
+        // on the same logits (the top-k path: the same ids)
+        let lone = be.alloc(100).unwrap();
+        be.step(&[Work { seq: lone, ids: &prompt(7, 20, v), out: Want::Nothing }]);
+        for r in 0..6u32 {
+            let id = [(r * 13 + 1) % v as u32];
+            let one = be.step(&[Work { seq: lone, ids: &id, out: Want::Sample(sample(&hot)) }]);
+            res.push(match one.into_iter().next().unwrap().unwrap() {
+                Output::Token(t) => format!("alone token {}", t.token),
+                o => panic!("{o:?}"),
+            });
+        }
         // a bad id fails alone
         let bad = [v as u32];
         let r = be.step(&[
