@@ -245,16 +245,9 @@ impl DeviceModel {
         mark("lm_head (gemm) + sample")?;
         g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
         g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, vocab, false)?;
-        // the rows asked for, before the sampler overwrites them; then the draws (masks are waited for here, while
-        // the pass runs), one launch for every row (rows that draw nothing or fail to pack take a greedy draw)
-        let mut out: Vec<RowOut> = Vec::with_capacity(n);
-        for (r, w) in want.iter().enumerate() {
-            let logits = match w.logits {
-                true => Some(g.stream.clone_dtoh(&sq.logits.slice(r * vocab..(r + 1) * vocab))?),
-                false => None,
-            };
-            out.push(RowOut { token: None, logits });
-        }
+        // while the pass runs: the draws' parameters (masks are waited for here), one row per sequence (rows that draw
+        // nothing or fail to pack take a greedy draw); then the logits rows asked for, before the sampler overwrites
+        // them; then one launch draws every row
         let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
         let plain = |limit| Sample { params: &greedy, seed: 0, history: &[], top_logprobs: None, limit, mask: None };
         let mut batch = SampleBatch::new(vocab)?;
@@ -272,6 +265,14 @@ impl DeviceModel {
             if failed.last().is_some_and(|f| f.is_some()) {
                 batch.push(&plain(vocab), None)?; // keeps row r at index r
             }
+        }
+        let mut out: Vec<RowOut> = Vec::with_capacity(n);
+        for (r, w) in want.iter().enumerate() {
+            let logits = match w.logits {
+                true => Some(g.stream.clone_dtoh(&sq.logits.slice(r * vocab..(r + 1) * vocab))?),
+                false => None,
+            };
+            out.push(RowOut { token: None, logits });
         }
         let outs = g.sample_download(&mut sq.logits, &batch)?;
         for (r, ((w, o), f)) in want.iter().zip(batch.sampled(&outs)).zip(failed).enumerate() {
