@@ -16,6 +16,10 @@ for t in gpu kernels prefill batch sample; do
   cp "$bin" ".carry/$t"
 done
 cp target/release/tern .carry/
+# binaries go compressed (the transfer limit is 64 MiB; tools/cuda-run.sh unpacks them)
+for f in .carry/tern .carry/gpu .carry/kernels .carry/prefill .carry/batch .carry/sample; do
+  gzip -f "$f"
+done
 qwen=${TERN_QWEN_DIR:-../shared/qwen3.6-35b-a3b}
 cp "$qwen"/{config.json,tokenizer_config.json,chat_template.jinja,generation_config.json} .carry/qwen/
 gzip -c "$qwen/tokenizer.json" >.carry/qwen/tokenizer.json.gz  # 33 MB -> a few: the transfer limit is 64 MiB

@@ -13,6 +13,8 @@ mkdir -p "$OUT"
 # the test binaries find tests/fixtures through the path they were built at
 [ -e /work/main ] || { mkdir -p /work && ln -s "$PWD" /work/main; }
 export TERN_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
+# the binaries come gzipped (tools/cuda-check.sh); unpack this carry's over any left from an earlier call
+for f in .carry/*.gz; do gunzip -kf "$f"; done
 what=${1:-tests}
 shift || true
 case "$what" in
