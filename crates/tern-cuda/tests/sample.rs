@@ -18,22 +18,11 @@ use tern_cuda::sample::{sample_reference, SampleBatch, SampleOut, MAX_TOP};
 use tern_cuda::Gpu;
 use tern_engine::{Sample, SamplingParams};
 
+mod common;
+use common::Rng;
+
 const REAL_VOCAB: usize = 248_320;
 const REAL_LIMIT: usize = 248_077;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let z = (self.0 ^ (self.0 >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
 
 /// One row of a batch: its logits and what the engine would ask.
 struct Row {

@@ -8,24 +8,13 @@ use std::collections::HashMap;
 use tern_cuda::sample::{sample_reference, RefSample, SampleBatch, KMAX, MAX_TOP, MAX_VOCAB, STATUS_NO_TOKEN};
 use tern_engine::{mask_allows, sample_host, MaskSlot, Sample, Sampled, SamplingParams};
 
+mod common;
+use common::Rng;
+
 const VOCAB: usize = 3000;
 const DRAWS: u64 = 20_000;
 /// Chi-square p-values below this fail.
 const P_MIN: f64 = 1e-6;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let z = (self.0 ^ (self.0 >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
 
 /// Random non-zero logits with a head and a long tail: 2 * (u1 + u2 + u3), so that hundreds of tokens carry mass.
 fn random_logits(seed: u64, n: usize) -> Vec<f32> {
