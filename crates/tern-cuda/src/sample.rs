@@ -28,7 +28,7 @@ pub const THREADS: usize = 1024;
 pub const KMAX: usize = 1024;
 /// The most top log-probabilities a row returns.
 pub const MAX_TOP: usize = 20;
-/// The longest row (fixed-point masses of 2^20 weights <= 1 at scale 2^43 sum below 2^63).
+/// The longest row (fixed-point masses of 2^20 weights <= 1 at scale 2^43 sum to at most 2^63: a u64 holds them).
 pub const MAX_VOCAB: usize = 1 << 20;
 /// [`SampleOut::status`]: a token was drawn.
 pub const STATUS_OK: u32 = 0;
@@ -189,7 +189,8 @@ impl SampleBatch {
         let pen_off = offset(self.pens.len(), pens.len(), "penalty entries")?;
         let bias_off = offset(self.biases.len(), biases.len(), "logit biases")?;
         self.rows.push(SampleRow {
-            temperature: p.temperature,
+            // min-p above 1 keeps only the first candidate (the host's `keep.max(1)`): the argmax, first on ties
+            temperature: if p.min_p > 1.0 { 0.0 } else { p.temperature },
             top_k: if p.top_k >= limit { 0 } else { p.top_k as u32 },
             top_p: p.top_p,
             min_p: p.min_p,

@@ -348,6 +348,15 @@ fn greedy_logprobs_limit_and_nan_match_the_host() {
         ties.logits = row;
         check_against_host("greedy ties", &ties, 0, Some(2), true);
     }
+    // min-p above 1 keeps only the first candidate, as the host does (tied maxima: the lowest id), on both paths
+    for top_k in [0, 2] {
+        let mut over = Case::new("min_p > 1", params(1.0, top_k, 1.0, 1.5));
+        over.logits = vec![0.5, 3.0, 1.0, 3.0, 3.0, -2.0];
+        over.limit = over.logits.len();
+        for seed in 0..20 {
+            check_against_host("min_p > 1", &over, seed, Some(2), true);
+        }
+    }
     // log-probabilities on both paths, with bias, penalties and a mask (raw logits, not the modified ones)
     for (name, p) in [("top-k path", params(0.7, 20, 0.95, 0.0)), ("threshold path", params(1.0, 0, 0.9, 0.05))] {
         let mut c = Case::new(name, p);

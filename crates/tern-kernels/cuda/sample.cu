@@ -53,7 +53,7 @@
 #define S_NO_TOKEN 1u
 // Composite keys at or above this have a logit above -inf.
 #define S_LO_FINITE (0x00800000ull << 32)
-// Fixed-point scale of the masses (2^43): a row of up to 2^20 weights <= 1 sums below 2^63.
+// Fixed-point scale of the masses (2^43): a row of up to 2^20 weights <= 1 sums to at most 2^63 (fits a u64).
 #define S_FX_SCALE 8796093022208.0
 
 struct SampleRow {
