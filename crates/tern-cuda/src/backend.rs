@@ -2,10 +2,11 @@
 //! batched kernels (issue 12 items 3–5).
 //!
 //! What it does now: a slot table of whole [`DeviceState`]s (each allocates its KV cache for
-//! [`CudaOptions::max_context`] tokens up front, plus its own scratch and CUDA graph). A step's prompt chunks go
-//! through the prefill kernels one sequence at a time; its one-token items go through one batched pass
-//! ([`crate::batch`], up to [`MAX_SEQS`] sequences) when [`CudaOptions::batched_decode`] is on and there are two or
-//! more, otherwise each through its own batch-1 decode graph ([`CudaSequence::read`]). Plain greedy `Sample` work
+//! [`CudaOptions::max_context`] tokens up front, plus its own scratch and CUDA graph). With
+//! [`CudaOptions::batched_decode`] on, a step's one-token items go through one batched pass ([`crate::batch`], up to
+//! [`MAX_SEQS`] sequences) and its prompt chunks through multi-sequence prefills (within the prefill chunk's tokens)
+//! when there are two or more of a kind; otherwise (and by default) each item runs alone: one token through its
+//! batch-1 decode graph, a prompt chunk through the prefill kernels ([`CudaSequence::read`]). Plain greedy `Sample` work
 //! without logprobs takes the device argmax (4 bytes to the host); every other draw downloads the logits row and
 //! samples on the host with [`sample_host`]. Allocation and fork are fallible: a failed device allocation is
 //! [`AllocError::Full`] while other sequences hold memory (the engine waits or evicts cache snapshots) and
@@ -204,11 +205,35 @@ impl Backend for CudaSlots {
                 }
             }
         }
-        // decode items (one token each) in batched passes when there are two or more
-        let decodes: Vec<usize> = (0..work.len()).filter(|&i| out[i].is_none() && work[i].ids.len() == 1).collect();
-        if self.opts().batched_decode && decodes.len() >= 2 {
-            for group in decodes.chunks(MAX_SEQS) {
-                let results = Self::run_batch(&self.cuda, work, &mut items, group);
+        if self.opts().batched_decode {
+            // decode items (one token each) in batched passes when there are two or more
+            let decodes: Vec<usize> = (0..work.len()).filter(|&i| out[i].is_none() && work[i].ids.len() == 1).collect();
+            let mut groups: Vec<(Pass, Vec<usize>)> = Vec::new();
+            if decodes.len() >= 2 {
+                groups.extend(decodes.chunks(MAX_SEQS).map(|g| (Pass::Decode, g.to_vec())));
+            }
+            // prompt chunks (not asking for every position's logits) in multi-sequence prefills when there are two
+            // or more, within the prefill chunk's tokens per pass
+            let prompts: Vec<usize> = (0..work.len())
+                .filter(|&i| out[i].is_none() && work[i].ids.len() > 1 && !matches!(work[i].out, Want::All))
+                .collect();
+            let (mut group, mut tokens) = (Vec::new(), 0);
+            let mut prefills = Vec::new();
+            for i in prompts {
+                let k = work[i].ids.len();
+                if group.len() == MAX_SEQS || (tokens + k > self.step_tokens() && !group.is_empty()) {
+                    prefills.push(std::mem::take(&mut group));
+                    tokens = 0;
+                }
+                if k <= self.step_tokens() {
+                    group.push(i);
+                    tokens += k;
+                }
+            }
+            prefills.push(group);
+            groups.extend(prefills.into_iter().filter(|g| g.len() >= 2).map(|g| (Pass::Prefill, g)));
+            for (pass, group) in groups {
+                let results = Self::run_batch(&self.cuda, work, &mut items, &group, pass);
                 for (&i, r) in group.iter().zip(results) {
                     out[i] = Some(r);
                 }
@@ -237,14 +262,25 @@ impl Backend for CudaSlots {
     }
 }
 
+/// Which batched pass a group of items takes.
+#[derive(Clone, Copy)]
+enum Pass {
+    /// One token for each sequence ([`crate::DeviceModel::decode_seqs`]).
+    Decode,
+    /// A prompt chunk for each sequence ([`crate::DeviceModel::prefill_seqs`]).
+    Prefill,
+}
+
 impl CudaSlots {
-    /// The decode items `group` (indices into `work`, each with one id, at most [`MAX_SEQS`]) in one batched pass:
-    /// every item gets its own result; a failed pass (or a panic inside it) fails them all.
+    /// The items `group` (indices into `work`, at most [`MAX_SEQS`]: one id each for a decode pass, prompt chunks
+    /// within the prefill chunk for a prefill pass) in one batched pass: every item gets its own result; a failed
+    /// pass (or a panic inside it) fails them all.
     fn run_batch(
         cuda: &CudaBackend,
         work: &[Work],
         items: &mut [Option<CudaSequence>],
         group: &[usize],
+        pass: Pass,
     ) -> Vec<Result<Output>> {
         let gpu_sampling = cuda.opts.gpu_sampling;
         let want: Vec<RowWant> = group
@@ -257,7 +293,7 @@ impl CudaSlots {
                 Want::Sample(_) => RowWant { logits: true, draw: Draw::Nothing },
             })
             .collect();
-        let ids: Vec<u32> = group.iter().map(|&i| work[i].ids[0]).collect();
+
         let mut seqs: Vec<&mut DeviceState> = Vec::with_capacity(group.len());
         for (i, it) in items.iter_mut().enumerate() {
             if let (true, Some(seq)) = (group.contains(&i), it.as_mut()) {
@@ -268,9 +304,19 @@ impl CudaSlots {
             return group.iter().map(|_| Err(anyhow!("a batched step lost track of its sequences"))).collect();
         }
         let model = cuda.model.clone();
-        let pass = catch_unwind(AssertUnwindSafe(|| model.decode_seqs(&mut seqs, &ids, &want)))
+        let run = || match pass {
+            Pass::Decode => {
+                let ids: Vec<u32> = group.iter().map(|&i| work[i].ids[0]).collect();
+                model.decode_seqs(&mut seqs, &ids, &want)
+            }
+            Pass::Prefill => {
+                let chunks: Vec<&[u32]> = group.iter().map(|&i| work[i].ids).collect();
+                model.prefill_seqs(&mut seqs, &chunks, &want)
+            }
+        };
+        let result = catch_unwind(AssertUnwindSafe(run))
             .unwrap_or_else(|p| Err(anyhow!("internal error on the GPU: {}", panic_message(&*p))));
-        match pass {
+        match result {
             Err(e) => {
                 let msg = format!("{e:#}");
                 group.iter().map(|_| Err(anyhow!("{msg}"))).collect()

@@ -15,6 +15,10 @@
 //! - Then the final norm, the lm_head GEMM into `[B, vocab]` logits and one `sample_rows` launch for every row's draw
 //!   (crates/tern-cuda/src/sample.rs: greedy rows are temperature-0 draws below their limit).
 //!
+//! [`DeviceModel::prefill_seqs`] does the same for prompt chunks of several sequences: the projections and the MoE
+//! over all their rows at once, each sequence's GDN and attention on its own rows with the prefill's kernels, then
+//! the last rows' lm_head and draws; it leaves each sequence bit for bit as its own prefill would.
+//!
 //! GEMM inputs are bf16 (the batch-1 decode graph keeps f32 activations), so a sequence's logits in a batch
 //! differ from its logits alone by bf16 rounding, as the prefill's do. The step leaves each sequence's length
 //! advanced by one and its device position counter stale ([`DeviceState::pos_stale`]: the batch-1 graph
@@ -92,6 +96,17 @@ pub struct SeqScratch {
     logits: CudaSlice<f32>,
     /// SwiGLU activations of the streamed MoE, `[MAX_SEQS * (k + 1), max(I, Is)]` f32.
     act: CudaSlice<f32>,
+    /// The multi-sequence prefill's buffers, allocated on its first use.
+    multi: Option<MultiScratch>,
+}
+
+/// One sequence's rows of a multi-sequence prefill, moved out of (and back into) the pass's row buffers: its
+/// projections `[cap, proj rows]`, its mixer output `[cap, wide]` (bf16), and every sequence's last hidden row.
+struct MultiScratch {
+    cap: usize,
+    proj: CudaSlice<f32>,
+    xb: CudaSlice<u16>,
+    last: CudaSlice<f32>,
 }
 
 impl SeqScratch {
@@ -109,6 +124,7 @@ impl SeqScratch {
                 part: g.zeros(n * nh * MAX_SPLIT * (hd + 2))?,
                 logits: g.zeros(n * c.vocab_size)?,
                 act: g.zeros(n * (c.num_experts_per_tok + 1) * imax)?,
+                multi: None,
             })
         };
         alloc().context("cannot allocate the batched decode buffers (out of device memory?)")
@@ -116,8 +132,10 @@ impl SeqScratch {
 
     /// Device bytes these buffers hold.
     pub fn bytes(&self) -> usize {
+        let multi = self.multi.as_ref().map_or(0, |m| 4 * (m.proj.len() + m.last.len()) + 2 * m.xb.len());
         4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len() + self.act.len())
             + 8 * (self.tab_a.len() + self.tab_b.len())
+            + multi
     }
 }
 
@@ -245,43 +263,7 @@ impl DeviceModel {
         mark("lm_head (gemm) + sample")?;
         g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
         g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, vocab, false)?;
-        // while the pass runs: the draws' parameters (masks are waited for here), one row per sequence (rows that draw
-        // nothing or fail to pack take a greedy draw); then the logits rows asked for, before the sampler overwrites
-        // them; then one launch draws every row
-        let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
-        let plain = |limit| Sample { params: &greedy, seed: 0, history: &[], top_logprobs: None, limit, mask: None };
-        let mut batch = SampleBatch::new(vocab)?;
-        let mut failed: Vec<Option<anyhow::Error>> = Vec::with_capacity(n);
-        for w in want {
-            let packed = match w.draw {
-                Draw::Nothing => batch.push(&plain(vocab), None),
-                Draw::Argmax(limit) => batch.push(&plain(limit), None),
-                Draw::Sample(s) => match s.mask.map(|m| m.wait()).transpose() {
-                    Ok(mask) => batch.push(s, mask.flatten()),
-                    Err(e) => Err(e),
-                },
-            };
-            failed.push(packed.err());
-            if failed.last().is_some_and(|f| f.is_some()) {
-                batch.push(&plain(vocab), None)?; // keeps row r at index r
-            }
-        }
-        let mut out: Vec<RowOut> = Vec::with_capacity(n);
-        for (r, w) in want.iter().enumerate() {
-            let logits = match w.logits {
-                true => Some(g.stream.clone_dtoh(&sq.logits.slice(r * vocab..(r + 1) * vocab))?),
-                false => None,
-            };
-            out.push(RowOut { token: None, logits });
-        }
-        let outs = g.sample_download(&mut sq.logits, &batch)?;
-        for (r, ((w, o), f)) in want.iter().zip(batch.sampled(&outs)).zip(failed).enumerate() {
-            out[r].token = match (w.draw, f) {
-                (Draw::Nothing, _) => None,
-                (_, Some(e)) => Some(Err(e)),
-                (_, None) => Some(o),
-            };
-        }
+        let out = draw_rows(g, vocab, want, &mut sq.logits)?;
         mark("")?;
         g.stream.synchronize()?;
         if let Some(p) = prof {
@@ -298,6 +280,177 @@ impl DeviceModel {
         }
         Ok(out)
     }
+}
+
+impl DeviceModel {
+    /// Read a prompt chunk for each of up to [`MAX_SEQS`] sequences (`chunks[r]` into `seqs[r]`, distinct sequences,
+    /// at most the prefill chunk's tokens in all) in one pass: the projections, the router and the experts run once
+    /// over every sequence's rows together; each sequence's Gated DeltaNet and attention run on its own rows (the
+    /// prefill's kernels, rows moved to and from a per-sequence buffer), continuing from what it holds. Then each
+    /// sequence's last row gives its logits and draw as `want[r]` says. Every row's arithmetic is that of the
+    /// one-sequence prefill ([`DeviceState::prefill`]), so the state left behind is the same bit for bit (the last
+    /// row's logits are those of its all-positions lm_head GEMM). Input checks first; a failed launch leaves the
+    /// sequences' states undefined.
+    pub fn prefill_seqs(
+        &self,
+        seqs: &mut [&mut DeviceState],
+        chunks: &[&[u32]],
+        want: &[RowWant],
+    ) -> Result<Vec<RowOut>> {
+        let (g, c) = (&*self.gpu, &self.config);
+        let n = seqs.len();
+        ensure!(n > 0 && n <= MAX_SEQS, "a multi-sequence prefill takes 1..={MAX_SEQS} sequences, not {n}");
+        ensure!(chunks.len() == n && want.len() == n, "prefill_seqs: {n} sequences, {} chunks", chunks.len());
+        let vocab = c.vocab_size;
+        for (s, ids) in seqs.iter().zip(chunks) {
+            ensure!(!ids.is_empty(), "prefill needs at least one token");
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                bail!("token id {bad} is outside the vocabulary (size {vocab})");
+            }
+            ensure!(
+                s.len + ids.len() <= s.max_ctx,
+                "the prompt does not fit: {} tokens held + {} new > the sequence's capacity of {} tokens",
+                s.len,
+                ids.len(),
+                s.max_ctx
+            );
+            ensure!(s.layers.len() == self.layers.len(), "a sequence of another model");
+        }
+        let total: usize = chunks.iter().map(|c| c.len()).sum();
+        let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let proj_rows = self.layers.iter().map(|l| match &l.mixer {
+            DMixer::Gdn { proj, .. } => proj.rows,
+            DMixer::Attn { qkv, .. } => qkv.rows,
+        });
+        let proj_rows = proj_rows.max().unwrap_or(0);
+        let wide = h.max(d.hv * d.dv).max(nh * hd);
+        let longest = chunks.iter().map(|c| c.len()).max().unwrap_or(1);
+        let mut guard =
+            self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
+        let PrefillBuffers { chunk, scratch, seqs: seq_scratch } = &mut *guard;
+        ensure!(total <= *chunk, "a multi-sequence prefill of {total} tokens over the prefill chunk of {chunk}");
+        let sc = scratch_rows(scratch, self, *chunk)?;
+        if seq_scratch.is_none() {
+            *seq_scratch = Some(SeqScratch::new(self)?);
+        }
+        let sq = seq_scratch.as_mut().context("batched decode buffers")?;
+        if sq.multi.as_ref().is_none_or(|m| m.cap < longest) {
+            sq.multi = None;
+            let cap = *chunk;
+            let alloc = || -> Result<MultiScratch> {
+                Ok(MultiScratch {
+                    cap,
+                    proj: g.zeros(cap * proj_rows)?,
+                    xb: g.zeros(cap * wide)?,
+                    last: g.zeros(MAX_SEQS * h)?,
+                })
+            };
+            sq.multi = Some(alloc().context("cannot allocate the multi-sequence prefill buffers")?);
+        }
+        let ms = sq.multi.as_mut().context("multi-sequence prefill buffers")?;
+        let all: Vec<u32> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
+        let starts: Vec<usize> = chunks.iter().scan(0, |r, c| Some(std::mem::replace(r, *r + c.len()))).collect();
+        g.embed_rows(&self.embed, &all, &mut sc.ids, &mut sc.x)?;
+        let mut no_mark = |_: &'static str| Ok(());
+        for (li, l) in self.layers.iter().enumerate() {
+            g.rmsnorm_rows(&sc.x, total, &l.in_norm, eps, &mut sc.xb, None)?;
+            let (ldp, out_cols) = match &l.mixer {
+                DMixer::Gdn { proj, out, .. } => (proj.rows, out.cols),
+                DMixer::Attn { qkv, o, .. } => (qkv.rows, o.cols),
+            };
+            let in_mat = match &l.mixer {
+                DMixer::Gdn { proj, .. } => proj,
+                DMixer::Attn { qkv, .. } => qkv,
+            };
+            g.gemm_q4(in_mat, &sc.xb, total, &mut sc.proj, ldp, false)?;
+            for (r, st) in seqs.iter_mut().enumerate() {
+                let (r0, k, pos0) = (starts[r], chunks[r].len(), st.len);
+                g.stream.memcpy_dtod(&sc.proj.slice(r0 * ldp..(r0 + k) * ldp), &mut ms.proj.slice_mut(..k * ldp))?;
+                match (&l.mixer, &mut st.layers[li]) {
+                    (DMixer::Gdn { conv, a_log, dt_bias, norm, .. }, LState::Gdn { ring, s }) => {
+                        let (qkv, beta, gl) = (&mut sc.qkv, &mut sc.beta, &mut sc.gl);
+                        g.gdn_prep(&ms.proj, ldp, ring, conv, a_log, dt_bias, d, pos0, k, qkv, beta, gl)?;
+                        g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, k, d, &mut sc.chunks)?;
+                        g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, k, d, s, &mut sc.o)?;
+                        g.gdn_ring(&ms.proj, ldp, d, pos0, k, ring)?;
+                        g.gdn_gated_norm(&sc.o, &ms.proj, ldp, k, d, norm, eps, &mut ms.xb)?;
+                    }
+                    (DMixer::Attn { qn, kn, .. }, LState::Attn { k: kc, v: vc }) => {
+                        let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
+                        g.attn_prep_rows(&ms.proj, ldp, qn, kn, pos0, k, dims, theta, eps, &mut sc.qb, kc, vc)?;
+                        g.flash_prefill(&sc.qb, kc, vc, &ms.proj, ldp, k, pos0, (nh, nkv, hd), &mut ms.xb)?;
+                    }
+                    _ => bail!("layer {li}: state does not match the model's layer kind"),
+                }
+                g.stream.memcpy_dtod(
+                    &ms.xb.slice(..k * out_cols),
+                    &mut sc.xb.slice_mut(r0 * out_cols..(r0 + k) * out_cols),
+                )?;
+            }
+            let out_mat = match &l.mixer {
+                DMixer::Gdn { out, .. } => out,
+                DMixer::Attn { o, .. } => o,
+            };
+            g.gemm_q4(out_mat, &sc.xb, total, &mut sc.x, h, true)?;
+            moe_rows(self, li, sc, total, MoeExperts::Gemm, None, &mut no_mark)?;
+        }
+        for (r, k) in chunks.iter().map(|c| c.len()).enumerate() {
+            let last = starts[r] + k - 1;
+            g.stream.memcpy_dtod(&sc.x.slice(last * h..(last + 1) * h), &mut ms.last.slice_mut(r * h..(r + 1) * h))?;
+        }
+        g.rmsnorm_rows(&ms.last, n, &self.norm, eps, &mut sc.xb, None)?;
+        g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, vocab, false)?;
+        let out = draw_rows(g, vocab, want, &mut sq.logits)?;
+        g.stream.synchronize()?;
+        for (s, ids) in seqs.iter_mut().zip(chunks) {
+            s.len += ids.len();
+            s.pos_stale = true;
+        }
+        Ok(out)
+    }
+}
+
+/// The draws of `want.len()` rows of `logits` (`[rows, vocab]`, just written by the pass): while the pass runs, the
+/// draws' parameters (masks are waited for here), one row each (rows that draw nothing or fail to pack take a
+/// greedy draw, so that row r stays at index r); then the logits rows asked for, before the sampler overwrites
+/// them; then one `sample_rows` launch for every row.
+fn draw_rows(g: &Gpu, vocab: usize, want: &[RowWant], logits: &mut CudaSlice<f32>) -> Result<Vec<RowOut>> {
+    let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+    let plain = |limit| Sample { params: &greedy, seed: 0, history: &[], top_logprobs: None, limit, mask: None };
+    let mut batch = SampleBatch::new(vocab)?;
+    let mut failed: Vec<Option<anyhow::Error>> = Vec::with_capacity(want.len());
+    for w in want {
+        let packed = match w.draw {
+            Draw::Nothing => batch.push(&plain(vocab), None),
+            Draw::Argmax(limit) => batch.push(&plain(limit), None),
+            Draw::Sample(s) => match s.mask.map(|m| m.wait()).transpose() {
+                Ok(mask) => batch.push(s, mask.flatten()),
+                Err(e) => Err(e),
+            },
+        };
+        failed.push(packed.err());
+        if failed.last().is_some_and(|f| f.is_some()) {
+            batch.push(&plain(vocab), None)?;
+        }
+    }
+    let mut out: Vec<RowOut> = Vec::with_capacity(want.len());
+    for (r, w) in want.iter().enumerate() {
+        let row = match w.logits {
+            true => Some(g.stream.clone_dtoh(&logits.slice(r * vocab..(r + 1) * vocab))?),
+            false => None,
+        };
+        out.push(RowOut { token: None, logits: row });
+    }
+    let outs = g.sample_download(logits, &batch)?;
+    for (r, ((w, o), f)) in want.iter().zip(batch.sampled(&outs)).zip(failed).enumerate() {
+        out[r].token = match (w.draw, f) {
+            (Draw::Nothing, _) => None,
+            (_, Some(e)) => Some(Err(e)),
+            (_, None) => Some(o),
+        };
+    }
+    Ok(out)
 }
 
 /// The per-row tables of a batched step's layer: the two state pointers of each row's sequence (GDN: conv ring,

@@ -129,10 +129,11 @@ fn batched_decode_full_shape() {
     assert!(max <= yx && same == decided, "full shape: median {med} max {max}, ids {same}/{decided}");
 }
 
-/// Through the backend seam with batched decode and GPU sampling on: one step holding five decodes (plain greedy
-/// draws, sampled draws with and without logprobs, a logits row, nothing) and a prompt chunk gives every item what
-/// the same step gives with both off (the host sampler draws the same ids on the top-k path, up to the batched
-/// logits' bf16 rounding); a bad id fails its own item only.
+/// Through the backend seam with batched decode and GPU sampling on: five prompts read in one step (one
+/// multi-sequence prefill), then steps holding five decodes (plain greedy draws, sampled draws with and without
+/// logprobs, a logits row, nothing) and a prompt chunk give every item what the same steps give with both off (the
+/// host sampler draws the same ids on the top-k path, up to the batched logits' bf16 rounding); a bad id fails its
+/// own item only.
 #[test]
 fn backend_step_batches_decodes_and_keeps_items_apart() {
     let Some(_g) = gpu_or_skip("backend_step_batches_decodes_and_keeps_items_apart") else { return };
@@ -148,13 +149,23 @@ fn backend_step_batches_decodes_and_keeps_items_apart() {
     let sample = |p| Sample { params: p, seed: 5, history: &[], top_logprobs: Some(3), limit: v, mask: None };
     let outs = |be: &CudaSlots| -> Vec<String> {
         let seqs: Vec<SeqId> = (0..6).map(|_| be.alloc(100).unwrap()).collect();
-        for (i, &s) in seqs.iter().enumerate().take(5) {
-            be.step(&[Work { seq: s, ids: &prompt(i as u64, 3 + 11 * i, v), out: Want::Nothing }]);
+        // the five prompts in one step (one multi-sequence prefill when batching is on), two of them drawing
+        let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(i as u64, 3 + 11 * i, v)).collect();
+        let plain = || Sample { top_logprobs: None, ..sample(&greedy) };
+        let first: Vec<Want> =
+            vec![Want::Nothing, Want::Sample(plain()), Want::Last, Want::Sample(sample(&hot)), Want::Nothing];
+        let work: Vec<Work> =
+            first.into_iter().enumerate().map(|(i, out)| Work { seq: seqs[i], ids: &prompts[i], out }).collect();
+        let mut res = Vec::new();
+        for r in be.step(&work) {
+            res.push(match r.unwrap() {
+                Output::Token(t) => format!("first token {}", t.token),
+                Output::Logits(l) => format!("prompt argmax {}", argmax(&l)),
+                Output::Nothing => "nothing".into(),
+            });
         }
         let chunk = prompt(9, 40, v);
         let ids: Vec<[u32; 1]> = (0..5u32).map(|i| [(i * 31 + 2) % v as u32]).collect();
-        let plain = || Sample { top_logprobs: None, ..sample(&greedy) };
-        let mut res = Vec::new();
         for round in 0..4 {
             let work = [
                 Work { seq: seqs[0], ids: &ids[0], out: Want::Sample(plain()) },
@@ -200,8 +211,9 @@ fn backend_step_batches_decodes_and_keeps_items_apart() {
     let (a, b) = (outs(&on), outs(&off));
     let differ: Vec<_> = a.iter().zip(&b).enumerate().filter(|(_, (x, y))| x != y).collect();
     println!("backend step, batched vs one by one: {} of {} item results differ: {differ:?}", differ.len(), a.len());
-    // tiny-b's logits have clear winners at these positions; a near tie could flip one id between the two paths
-    assert!(differ.len() <= 1, "{differ:?}");
+    // the batched passes' logits differ from the one-by-one path's by bf16 rounding (GEMMs over bf16 activations vs
+    // the graph's f32 GEMVs): a near tie can flip an id; more than two of 35 means a real difference
+    assert!(differ.len() <= 2, "{differ:?}");
 }
 
 /// Every kind of draw in one batched step, each against the sampler's reference on the logits row the step itself
@@ -282,6 +294,68 @@ fn batched_draws_match_the_sampler_on_their_rows() {
     println!(
         "batched draws: greedy {t1}, sampled/logprobs/masked rows equal to the reference on their rows; bad row: {e:#}"
     );
+}
+
+/// A multi-sequence prefill (several prompt chunks in one pass, sequences at different positions, one empty) leaves
+/// every sequence exactly as its own prefill does: the last row's logits equal bit for bit those of the one-sequence
+/// prefill's all-positions lm_head, and the next decode steps (the batch-1 graph) give bit-identical logits; the
+/// tiny-b fixture and the full shape.
+#[test]
+fn multi_sequence_prefill_equals_each_prefill_alone() {
+    let Some(_g) = gpu_or_skip("multi_sequence_prefill_equals_each_prefill_alone") else { return };
+    let full = CudaBackend::random(&full_config(), 5, CudaOptions::with_context(512)).unwrap();
+    let tiny = CudaBackend::new(&tiny_b_q4(), CudaOptions::with_context(512)).unwrap();
+    for (name, be) in [("tiny-b", &tiny), ("full shape", &full)] {
+        let m = &be.model;
+        let v = m.config.vocab_size;
+        let held = [0usize, 1, 63, 64, 100, 7];
+        let chunks: Vec<Vec<u32>> = (0..6).map(|s| prompt(40 + s as u64, [2, 65, 1, 130, 17, 64][s], v)).collect();
+        let (mut multi, mut alone): (Vec<DeviceState>, Vec<DeviceState>) = (Vec::new(), Vec::new());
+        for (s, &h) in held.iter().enumerate() {
+            let mut st = be.new_cuda_sequence().unwrap().st;
+            if h > 0 {
+                st.prefill(m, &prompt(s as u64, h, v), false, false).unwrap();
+            }
+            alone.push(st.fork(&m.gpu).unwrap());
+            multi.push(st);
+        }
+        let want = vec![RowWant { logits: true, draw: Draw::Argmax(v) }; chunks.len()];
+        let refs: Vec<&[u32]> = chunks.iter().map(|c| c.as_slice()).collect();
+        let mut mrefs: Vec<&mut DeviceState> = multi.iter_mut().collect();
+        let rows = m.prefill_seqs(&mut mrefs, &refs, &want).unwrap();
+        for (s, (row, st)) in rows.iter().zip(alone.iter_mut()).enumerate() {
+            let all = st.prefill(m, &chunks[s], true, false).unwrap().logits;
+            let last = &all[(chunks[s].len() - 1) * v..];
+            let got = row.logits.as_ref().unwrap();
+            let differ = got.iter().zip(last).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(
+                differ,
+                0,
+                "{name} row {s}: {differ} logits differ from its own prefill ({:.1e})",
+                rel(got, last)
+            );
+            let t = row.token.as_ref().unwrap().as_ref().unwrap().token as usize;
+            assert_eq!(t, argmax(got), "{name} row {s}: the greedy draw vs its logits");
+            assert_eq!(multi[s].len, st.len, "{name} row {s}: lengths");
+        }
+        // the states: three batch-1 decode steps each, bit for bit
+        for step in 0..3u32 {
+            for (s, (a, b)) in multi.iter_mut().zip(alone.iter_mut()).enumerate() {
+                let id = (step * 31 + s as u32 * 7) % v as u32;
+                for st in [&mut *a, &mut *b] {
+                    st.set_token(&m.gpu, id).unwrap();
+                    st.step_graph(m).unwrap();
+                }
+                let (la, lb) = (m.gpu.download(&a.logits).unwrap(), m.gpu.download(&b.logits).unwrap());
+                let same = la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{name} row {s} step {step}: decode after the multi-sequence prefill differs");
+            }
+        }
+        println!(
+            "{name}: multi-sequence prefill of {} chunks = each prefill alone, bit for bit (then 3 decode steps)",
+            chunks.len()
+        );
+    }
 }
 
 /// Bad input to the batched step is a clear error and changes no sequence.
