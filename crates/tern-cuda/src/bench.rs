@@ -242,6 +242,37 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
     for (name, ms, n) in &p.ops {
         println!("  {name:<32} {n:>5} calls {ms:>9.3} ms {:>5.1}%", 100.0 * ms / total);
     }
+    // the first tokens of 32 users who send 80-token prompts at once: one prefill after another, or one pass
+    let prompts: Vec<Vec<u32>> = (0..b as u64)
+        .map(|r| prompt_ids(80, c.vocab_size).iter().map(|&t| (t + r as u32 * 3) % c.vocab_size as u32).collect())
+        .collect();
+    let mut times = [Vec::new(), Vec::new()];
+    for _ in 0..repeats {
+        for s in seqs.iter_mut().take(b) {
+            s.reset(&g)?;
+        }
+        g.stream.synchronize()?;
+        let t0 = std::time::Instant::now();
+        for (s, p) in seqs.iter_mut().zip(&prompts) {
+            s.prefill(m, p, false, false)?;
+            g.download(&s.tok)?;
+        }
+        times[0].push(t0.elapsed().as_secs_f64() * 1e3);
+        for s in seqs.iter_mut().take(b) {
+            s.reset(&g)?;
+        }
+        g.stream.synchronize()?;
+        let t0 = std::time::Instant::now();
+        let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+        let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+        m.prefill_seqs(&mut refs, &chunks, &want)?;
+        times[1].push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    let [one, all] = times.map(|mut t| median(&mut t));
+    println!(
+        "first tokens of {b} prompts of 80 tokens (prefill and draw, ids back): one prefill after another {one:.1} ms, \
+         one multi-sequence pass {all:.1} ms"
+    );
     Ok(())
 }
 
