@@ -7,8 +7,9 @@
 //! [`MAX_SEQS`] sequences) and its prompt chunks through multi-sequence prefills (within the prefill chunk's tokens)
 //! when there are two or more of a kind; otherwise (and by default) each item runs alone: one token through its
 //! batch-1 decode graph, a prompt chunk through the prefill kernels ([`CudaSequence::read`]). Plain greedy `Sample` work
-//! without logprobs takes the device argmax (4 bytes to the host); every other draw downloads the logits row and
-//! samples on the host with [`sample_host`]. Allocation and fork are fallible: a failed device allocation is
+//! without logprobs takes the device argmax (4 bytes to the host); other draws run on the device with
+//! [`CudaOptions::gpu_sampling`] (only the ids and asked-for logprobs come back), else download the logits row and
+//! sample on the host with [`sample_host`]. Allocation and fork are fallible: a failed device allocation is
 //! [`AllocError::Full`] while other sequences hold memory (the engine waits or evicts cache snapshots) and
 //! [`AllocError::TooLarge`] when none do; a context above `max_context` is `TooLarge` at once.
 //!
@@ -294,6 +295,8 @@ impl CudaSlots {
             })
             .collect();
 
+        // the states in `group`'s order (ascending: the groups are cut from ascending item lists)
+        debug_assert!(group.windows(2).all(|w| w[0] < w[1]), "batched items out of order");
         let mut seqs: Vec<&mut DeviceState> = Vec::with_capacity(group.len());
         for (i, it) in items.iter_mut().enumerate() {
             if let (true, Some(seq)) = (group.contains(&i), it.as_mut()) {

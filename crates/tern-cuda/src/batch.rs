@@ -1,8 +1,9 @@
 //! Batched decode: one token for each of up to [`MAX_SEQS`] sequences in one pass of kernels per layer, so that
 //! every weight is read once per step for all of them instead of once per sequence.
 //!
-//! The token-independent work runs over the B rows with the prefill kernels (tensor-core GEMMs for every
-//! projection and the lm_head, the f32 router, the grouped MoE GEMMs); the per-sequence work runs in one launch
+//! The token-independent work runs over the B rows: tensor-core GEMMs (the prefill's) for every projection and the
+//! lm_head, and the router and experts as streamed kernels for a few tokens per expert (moe_seqs.cu); the
+//! per-sequence work runs in one launch
 //! for all rows with the decode kernels' `_seqs` variants (crates/tern-kernels/cuda/{gdn,attention}.cu), which
 //! take each row's recurrent state, conv ring and K/V cache from pointer tables and its position from a device
 //! array the host uploads before the step:
@@ -39,8 +40,8 @@ use tern_engine::{Sample, Sampled, SamplingParams};
 pub const MAX_SEQS: usize = 64;
 /// The most flash-decoding splits per (sequence, kv head) in a batched step.
 const MAX_SPLIT: usize = 32;
-/// j per block and tokens per pass of moe_gate_up_seqs, output rows per block and tokens per pass of moe_down_seqs
-/// (GU_J, GU_TG, DS_RB, DS_TG in moe_seqs.cu).
+// j per block and tokens per pass of moe_gate_up_seqs, output rows per block and tokens per pass of moe_down_seqs
+// (GU_J, GU_TG, DS_RB, DS_TG in moe_seqs.cu)
 const GU_J: usize = 16;
 /// Rows and tokens per block of router_seqs (RS_R, RS_TG in moe_seqs.cu).
 const RS_R: usize = 16;
@@ -152,16 +153,19 @@ impl DeviceModel {
     /// a logits row only when asked for). Input and shape checks come first and change nothing; a failed launch
     /// leaves the sequences' states undefined; a row's own bad draw fails that row alone.
     pub fn decode_seqs(&self, seqs: &mut [&mut DeviceState], ids: &[u32], want: &[RowWant]) -> Result<Vec<RowOut>> {
-        self.decode_seqs_profiled(seqs, ids, want, None)
+        self.decode_seqs_profiled(seqs, ids, want, None, None)
     }
 
-    /// [`DeviceModel::decode_seqs`]; with `prof`, every launch is bracketed by events and timed by kernel family.
+    /// [`DeviceModel::decode_seqs`]; with `prof`, every launch is bracketed by events and timed by kernel family;
+    /// with `routes`, every layer's routed experts of the rows are appended (`routes[layer]`, `[n * k]`; tests hold
+    /// the comparison to rows routed alike).
     pub fn decode_seqs_profiled(
         &self,
         seqs: &mut [&mut DeviceState],
         ids: &[u32],
         want: &[RowWant],
         prof: Option<&mut Profile>,
+        mut routes: Option<&mut Vec<Vec<usize>>>,
     ) -> Result<Vec<RowOut>> {
         let (g, c) = (&*self.gpu, &self.config);
         let n = seqs.len();
@@ -221,8 +225,13 @@ impl DeviceModel {
             }
             Ok(())
         };
-        // the streamed MoE kernels need sizes in multiples of 32 (the model's are); other shapes take the GEMMs
-        let streamed = [h, c.moe_intermediate_size, c.shared_expert_intermediate_size].iter().all(|v| v % 32 == 0);
+        // the streamed router and MoE kernels need sizes in multiples of their group sizes (powers of two >= 32), a
+        // router of at most 2,048 columns (the model's shapes); other shapes take router_rows and the GEMMs
+        let streamed = self.layers.iter().all(|l| {
+            let sizes = [h, c.moe_intermediate_size, c.shared_expert_intermediate_size];
+            let fits = |gs: usize| gs >= 32 && gs.is_power_of_two() && sizes.iter().all(|v| v % gs == 0);
+            fits(l.gate_up.gs) && fits(l.down.gs) && l.router.cols <= 2048 && l.router.gs.is_power_of_two()
+        });
         mark("embed")?;
         g.embed_rows(&self.embed, ids, &mut sc.ids, &mut sc.x)?;
         for (li, l) in self.layers.iter().enumerate() {
@@ -258,7 +267,8 @@ impl DeviceModel {
                 true => MoeExperts::Streamed { act: &mut sq.act },
                 false => MoeExperts::Gemm,
             };
-            moe_rows(self, li, sc, n, how, None, &mut mark)?;
+            let log = routes.as_deref_mut().and_then(|r| r.get_mut(li));
+            moe_rows(self, li, sc, n, how, log, &mut mark)?;
         }
         mark("lm_head (gemm) + sample")?;
         g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
@@ -606,7 +616,12 @@ impl Gpu {
             "router_seqs: {} columns (a multiple of {cpv}, at most 2048)",
             m.cols
         );
-        ensure!(m.gs >= cpv, "router_seqs: group size {} below {cpv}", m.gs);
+        ensure!(
+            m.gs >= cpv && m.gs.is_power_of_two() && m.cols % m.gs == 0,
+            "router_seqs: group size {} (a power of two >= {cpv} dividing {} columns)",
+            m.gs,
+            m.cols
+        );
         ensure!((1..=65535 * RS_TG).contains(&n), "router_seqs: {n} rows");
         ensure!(xn.len() >= n * m.cols && logits.len() >= n * m.rows, "router_seqs: buffers");
         let gshift = log2_exact(m.gs / cpv, "router_seqs: group size")?;
@@ -635,7 +650,13 @@ impl Gpu {
     ) -> Result<()> {
         let imax = i.max(is);
         let pairs = sorted.n * (sorted.k + 1);
-        ensure!(h % 32 == 0 && i % 32 == 0 && is % 32 == 0 && gu.gs >= 32, "moe_gate_up_seqs: sizes {h}/{i}/{is}");
+        ensure!(
+            gu.gs >= 32 && gu.gs.is_power_of_two() && h % gu.gs == 0 && i % 32 == 0 && is % 32 == 0,
+            "moe_gate_up_seqs: sizes {h}/{i}/{is}, group size {}",
+            gu.gs
+        );
+        ensure!(gu.s.len() >= n_experts * gu.groups + 2 * is * h / gu.gs, "moe_gate_up_seqs: scales too short");
+        ensure!(gu.b.len() >= n_experts * gu.groups + 2 * is * h / gu.gs, "moe_gate_up_seqs: biases too short");
         ensure!(xn.len() >= sorted.n * h && act.len() >= pairs * imax, "moe_gate_up_seqs: buffers");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
@@ -673,7 +694,13 @@ impl Gpu {
     ) -> Result<()> {
         let imax = i.max(is);
         let pairs = sorted.n * (sorted.k + 1);
-        ensure!(h % 32 == 0 && i % 32 == 0 && is % 32 == 0 && down.gs >= 32, "moe_down_seqs: sizes {h}/{i}/{is}");
+        ensure!(
+            down.gs >= 32 && down.gs.is_power_of_two() && h % 32 == 0 && i % down.gs == 0 && is % down.gs == 0,
+            "moe_down_seqs: sizes {h}/{i}/{is}, group size {}",
+            down.gs
+        );
+        ensure!(down.s.len() >= n_experts * down.groups + h * is / down.gs, "moe_down_seqs: scales too short");
+        ensure!(down.b.len() >= n_experts * down.groups + h * is / down.gs, "moe_down_seqs: biases too short");
         ensure!(act.len() >= pairs * imax && ybuf.len() >= pairs * h, "moe_down_seqs: buffers");
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");

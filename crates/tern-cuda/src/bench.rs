@@ -236,7 +236,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
     let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
     let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
     let mut p = Profile::default();
-    m.decode_seqs_profiled(&mut refs, &ids, &want, Some(&mut p))?;
+    m.decode_seqs_profiled(&mut refs, &ids, &want, Some(&mut p), None)?;
     let total: f64 = p.ops.iter().map(|o| o.1).sum();
     println!("batched decode profile ({b} sequences, events around each kernel family): {total:.2} ms");
     for (name, ms, n) in &p.ops {

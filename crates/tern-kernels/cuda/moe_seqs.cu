@@ -120,7 +120,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_seqs(
                 float sc[4], bs[4];
 #pragma unroll
                 for (int r = 0; r < 4; r++) {
-                    // rows past nj (odd nj) read stale shared memory; their results are never stored
+                    // a row past nj (an expert whose n is not a multiple of 16) reads stale shared memory; its
+                    // result is never stored
                     const int row = (r & 1) * GU_J + jw + (r >> 1);
                     wv[r] = reinterpret_cast<const uint4*>(wsm + row * rowb)[u];
                     sc[r] = ssm[row * ng + gi];
