@@ -201,19 +201,13 @@ fn allocation_on_a_full_gpu_is_an_error_not_a_panic() {
 #[test]
 fn constrained_decoding_cost_on_cuda() {
     use std::sync::Arc;
-    use tern_model::mlx::QuantSpec;
-    use tern_model::random::RandomValues;
-    use tern_model::{Config, Weights};
     let Some(_g) = gpu_or_skip("constrained_decoding_cost_on_cuda") else { return };
     let Some(dir) = tern_model::testutil::qwen_dir() else {
         println!("SKIPPED: constrained_decoding_cost_on_cuda: TERN_QWEN_DIR not set");
         return;
     };
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let t = &mut cfg["text_config"];
     // small, but with the shapes the CUDA kernels take (head dim 64, dims % 32) and the real vocabulary
-    for (k, v) in [
+    let sizes = [
         ("hidden_size", 128),
         ("num_hidden_layers", 4),
         ("num_attention_heads", 4),
@@ -227,12 +221,8 @@ fn constrained_decoding_cost_on_cuda() {
         ("num_experts_per_tok", 2),
         ("moe_intermediate_size", 64),
         ("shared_expert_intermediate_size", 64),
-    ] {
-        t[k] = v.into();
-    }
-    t.as_object_mut().unwrap().remove("layer_types");
-    let c = Config::from_json(&cfg).unwrap();
-    let w = Weights::from_values(c.clone(), &RandomValues { seed: 5 }, Some(&QuantSpec::q4(&c))).unwrap();
+    ];
+    let w = tern_model::testutil::real_vocab_q4(&sizes, 5).unwrap();
     let backend: Arc<dyn Backend> =
         Arc::new(CudaSlots::new(CudaBackend::new(&w, CudaOptions::with_context(1024)).unwrap()));
     for r in tern_engine::cost::constrained_decoding_cost(backend, &dir).unwrap() {

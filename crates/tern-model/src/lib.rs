@@ -30,4 +30,23 @@ pub mod testutil {
     pub fn fixtures_dir() -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
     }
+
+    /// The real config (the real 248,320-id vocabulary) with the `text_config` sizes in `sizes` (its layer list
+    /// rebuilt from the layer count), as random 4-bit weights of `seed` (the recipe the product loads); `None`
+    /// without [`qwen_dir`].
+    pub fn real_vocab_q4(sizes: &[(&str, i64)], seed: u64) -> Option<crate::Weights> {
+        let dir = qwen_dir()?;
+        let text = std::fs::read_to_string(dir.join("config.json")).expect("the real config.json");
+        let mut cfg: serde_json::Value = serde_json::from_str(&text).expect("the real config.json parses");
+        let t = &mut cfg["text_config"];
+        for &(k, v) in sizes {
+            t[k] = v.into();
+        }
+        t.as_object_mut().expect("text_config is an object").remove("layer_types");
+        let c = crate::Config::from_json(&cfg).expect("the shrunk config");
+        let spec = crate::mlx::QuantSpec::q4(&c);
+        Some(
+            crate::Weights::from_values(c, &crate::random::RandomValues { seed }, Some(&spec)).expect("random weights"),
+        )
+    }
 }

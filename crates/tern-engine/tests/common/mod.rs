@@ -8,10 +8,8 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tern_engine::{AllocError, Backend, CpuBackend, Event, Events, Output, Request, SeqId, Want, Work};
-use tern_model::mlx::QuantSpec;
-use tern_model::random::RandomValues;
 use tern_model::testutil::qwen_dir;
-use tern_model::{Config, Weights};
+use tern_model::Weights;
 use tern_text::{SamplingParams, Tokenizer};
 
 pub fn tokenizer() -> Option<Arc<Tokenizer>> {
@@ -24,11 +22,7 @@ pub fn tokenizer() -> Option<Arc<Tokenizer>> {
 pub fn real_vocab_weights() -> Option<Arc<Weights>> {
     static W: OnceLock<Option<Arc<Weights>>> = OnceLock::new();
     W.get_or_init(|| {
-        let dir = qwen_dir()?;
-        let mut cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-        let t = &mut cfg["text_config"];
-        for (k, v) in [
+        let sizes = [
             ("hidden_size", 64),
             ("num_hidden_layers", 4),
             ("num_attention_heads", 4),
@@ -42,14 +36,10 @@ pub fn real_vocab_weights() -> Option<Arc<Weights>> {
             ("num_experts_per_tok", 2),
             ("moe_intermediate_size", 64),
             ("shared_expert_intermediate_size", 64),
-        ] {
-            t[k] = v.into();
-        }
-        t.as_object_mut().unwrap().remove("layer_types");
-        let c = Config::from_json(&cfg).unwrap();
-        assert_eq!(c.vocab_size, 248_320);
-        let spec = QuantSpec::q4(&c);
-        Some(Arc::new(Weights::from_values(c, &RandomValues { seed: 11 }, Some(&spec)).unwrap()))
+        ];
+        let w = tern_model::testutil::real_vocab_q4(&sizes, 11)?;
+        assert_eq!(w.config.vocab_size, 248_320);
+        Some(Arc::new(w))
     })
     .clone()
 }
