@@ -1,17 +1,18 @@
 //! Batched decode: one token for each of up to [`MAX_SEQS`] sequences in one pass of kernels per layer, so that
 //! every weight is read once per step for all of them instead of once per sequence.
 //!
-//! The token-independent work runs over the B rows: tensor-core GEMMs (the prefill's) for every projection and the
-//! lm_head, and the router and experts as streamed kernels for a few tokens per expert (moe_seqs.cu); the
+//! The token-independent work runs over the B rows: tensor-core GEMMs (the prefill's) for the projections with many
+//! rows and the lm_head, streamed few-token kernels (moe_seqs.cu: each weight byte read once from DRAM and applied
+//! to every row that needs it) for out_proj / o_proj, the router and the experts over the few tokens each gets; the
 //! per-sequence work runs in one launch
 //! for all rows with the decode kernels' `_seqs` variants (crates/tern-kernels/cuda/{gdn,attention}.cu), which
 //! take each row's recurrent state, conv ring and K/V cache from pointer tables and its position from a device
 //! array the host uploads before the step:
 //! - GDN: rmsnorm_rows → gemm_q4 (in_proj) → gdn_step_seqs (conv, gates, delta rule, gated norm → bf16) →
-//!   gemm_q4 (out_proj, + residual).
+//!   gemv_seqs (out_proj, + residual).
 //! - Attention: rmsnorm_rows → gemm_q4 (q|gate, k, v) → attn_prep_seqs (norms, RoPE, K/V row at the position) →
 //!   attn_decode_kv_seqs (flash-decoding splits over keys 0..=pos) → attn_combine_seqs (+ output gate → bf16) →
-//!   gemm_q4 (o_proj, + residual).
+//!   gemv_seqs (o_proj, + residual).
 //! - MoE: router and sort as the prefill (`prefill::moe_rows`), then the streamed expert kernels of moe_seqs.cu.
 //! - Then the final norm, the lm_head GEMM into `[B, vocab]` logits and one `sample_rows` launch for every row's draw
 //!   (crates/tern-cuda/src/sample.rs: greedy rows are temperature-0 draws below their limit).
@@ -20,7 +21,7 @@
 //! over all their rows at once, each sequence's GDN and attention on its own rows with the prefill's kernels, then
 //! the last rows' lm_head and draws; it leaves each sequence bit for bit as its own prefill would.
 //!
-//! GEMM inputs are bf16 (the batch-1 decode graph keeps f32 activations), so a sequence's logits in a batch
+//! Projection inputs are bf16 (the batch-1 decode graph keeps f32 activations), so a sequence's logits in a batch
 //! differ from its logits alone by bf16 rounding, as the prefill's do. The step leaves each sequence's length
 //! advanced by one and its device position counter stale ([`DeviceState::pos_stale`]: the batch-1 graph
 //! refreshes it before its next step).
@@ -40,15 +41,19 @@ use tern_engine::{Sample, Sampled, SamplingParams};
 pub const MAX_SEQS: usize = 64;
 /// The most flash-decoding splits per (sequence, kv head) in a batched step.
 const MAX_SPLIT: usize = 32;
-// j per block and tokens per pass of moe_gate_up_seqs, output rows per block and tokens per pass of moe_down_seqs
-// (GU_J, GU_TG, DS_RB, DS_TG in moe_seqs.cu)
-const GU_J: usize = 16;
 /// Rows and tokens per block of router_seqs (RS_R, RS_TG in moe_seqs.cu).
 const RS_R: usize = 16;
 const RS_TG: usize = 4;
+/// Rows and tokens per block of gemv_seqs_q4 (GV_R, GV_TG in moe_seqs.cu).
+const GV_R: usize = 32;
+const GV_TG: usize = 4;
+// j per block and tokens per pass of moe_gate_up_seqs; output rows per block, rows per warp item and tokens per
+// pass of moe_down_seqs (GU_J, GU_TG, DS_RB, DS_RI, DS_TG in moe_seqs.cu)
+const GU_J: usize = 64;
 const GU_TG: usize = 4;
-const DS_RB: usize = 64;
-const DS_TG: usize = 8;
+const DS_RB: usize = 256;
+const DS_RI: usize = 8;
+const DS_TG: usize = 4;
 
 /// Length of a shared-memory vector of `n` floats padded by 4 every 32 (`padx_len` in common.cuh).
 fn padx_len(n: usize) -> usize {
@@ -246,8 +251,8 @@ impl DeviceModel {
                     mark("gdn_step_seqs")?;
                     let st = (&ta, &tb, &sq.posv);
                     g.gdn_step_seqs(&sc.proj, ldp, conv, a_log, dt_bias, st, n, norm, eps, d, &mut sc.xb)?;
-                    mark("gdn_out_proj (gemm)")?;
-                    g.gemm_q4(out, &sc.xb, n, &mut sc.x, h, true)?;
+                    mark("gdn_out_proj (gemv)")?;
+                    g.gemv_seqs(out, &sc.xb, n, &mut sc.x, h, true)?;
                 }
                 DMixer::Attn { qkv, o, qn, kn } => {
                     let ldp = qkv.rows;
@@ -259,8 +264,8 @@ impl DeviceModel {
                     g.attn_prep_seqs(&sc.proj, ldp, qn, kn, kv, n, dims, theta, eps, &mut sq.qbuf)?;
                     g.attn_decode_seqs(&sq.qbuf, kv, n, (nh, nkv, hd), ns, &mut sq.part)?;
                     g.attn_combine_seqs(&sq.part, &sc.proj, ldp, n, nh, hd, ns, &mut sc.xb)?;
-                    mark("attn_o_proj (gemm)")?;
-                    g.gemm_q4(o, &sc.xb, n, &mut sc.x, h, true)?;
+                    mark("attn_o_proj (gemv)")?;
+                    g.gemv_seqs(o, &sc.xb, n, &mut sc.x, h, true)?;
                 }
             }
             let how = match streamed {
@@ -635,6 +640,47 @@ impl Gpu {
         Ok(())
     }
 
+    /// `y[t, r] (+)= W[r] · x[t]` for the `n` bf16 rows of `x` (`[n, cols]`) and a 4-bit matrix of few rows (the
+    /// batched step's out_proj and o_proj, where [`Gpu::gemm_q4`]'s 128-row tiles make 16 blocks): blocks of 32
+    /// rows × 4 tokens with exact dequantisation and f32 sums; y `[n, ldy]` f32, `add` adds to it (the residual).
+    pub fn gemv_seqs(
+        &self,
+        m: &QMat,
+        x: &CudaSlice<u16>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+        ldy: usize,
+        add: bool,
+    ) -> Result<()> {
+        ensure!(m.bits == 4, "gemv_seqs: {}-bit weights (4-bit only)", m.bits);
+        ensure!(
+            m.cols % 32 == 0 && m.gs >= 32 && m.gs.is_power_of_two() && m.cols % m.gs == 0,
+            "gemv_seqs: {} columns, group size {} (multiples of 32)",
+            m.cols,
+            m.gs
+        );
+        ensure!((1..=MAX_SEQS).contains(&n), "gemv_seqs: {n} rows (1..={MAX_SEQS})");
+        ensure!(x.len() >= n * m.cols, "gemv_seqs: x holds {} values, {n} rows of {} needed", x.len(), m.cols);
+        ensure!(
+            ldy >= m.rows && y.len() >= (n - 1) * ldy + m.rows,
+            "gemv_seqs: y too short for {n} rows of stride {ldy}"
+        );
+        let smem = GV_TG * (padx_len(m.cols) + m.cols / 32) * 4;
+        ensure!(smem <= SMEM_MAX, "gemv_seqs: {} columns need {smem} bytes of shared memory", m.cols);
+        ensure!(m.rows.div_ceil(GV_R) <= 65535, "gemv_seqs: {} rows is over the grid limit", m.rows);
+        let gshift = log2_exact(m.gs / 32, "gemv_seqs: group size")?;
+        let (r, c, ni, ld, a) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32, add as i32);
+        let mut l = self.launcher(&self.f.gemv_seqs_q4);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(&gshift).arg(x).arg(&ni).arg(&*y).arg(&ld).arg(&a);
+        let grid = (n.div_ceil(GV_TG) as u32, m.rows.div_ceil(GV_R) as u32);
+        // SAFETY: matches gemv_seqs_q4 (moe_seqs.cu); W is a whole 4-bit QMat (rows x cols/8 words, rows x cols/gs
+        // scales/biases), row loads clamped to rows - 1 in the kernel; x holds n rows of cols bf16, y n rows of stride
+        // ldy >= rows (checked); blocks past n tokens stage zeros and store nothing; shared memory as laid out there
+        // (checked against the opt-in limit).
+        unsafe { l.launch(cfg(grid, 256, smem)) }?;
+        Ok(())
+    }
+
     /// Streamed gate|up + SwiGLU over the expert-sorted pairs of [`Gpu::moe_align`] (few tokens per expert):
     /// `act[p, j] = silu(G_e[j] · xn[rowmap[p]]) · (U_e[j] · xn[rowmap[p]])`, f32 `[pairs, max(I, Is)]`.
     #[allow(clippy::too_many_arguments)]
@@ -661,8 +707,8 @@ impl Gpu {
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
         let glog = log2_exact(gu.gs, "moe_gate_up_seqs: group size")? - 5;
-        let ng = h / gu.gs;
-        let smem = 2 * GU_J * h / 2 + 4 * GU_J * ng * 4 + GU_TG * padx_len(h) * 4 + GU_TG * (h / 32) * 4;
+        ensure!(h <= 2048, "moe_gate_up_seqs: hidden size {h} (at most 2048: two chunks per lane)");
+        let smem = (GU_TG * (padx_len(h) + h / 32) * 4).next_multiple_of(128) + 8 * 2 * 4 * (h / 2);
         ensure!(smem <= SMEM_MAX, "moe_gate_up_seqs: hidden size {h} needs {smem} bytes of shared memory");
         let (words, groups) = (gu.words as i64, gu.groups as i64);
         let v = [n_experts, i, is, h].map(|v| v as i32);
@@ -705,8 +751,9 @@ impl Gpu {
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");
         let glog = log2_exact(down.gs, "moe_down_seqs: group size")? - 5;
-        let ngm = imax / down.gs;
-        let smem = DS_RB * imax / 2 + 2 * DS_RB * ngm * 4 + DS_TG * padx_len(imax) * 4 + DS_TG * (imax / 32) * 4;
+        ensure!(down.groups % 8 == 0, "moe_down_seqs: expert stride of {} scales (a multiple of 8)", down.groups);
+        let slot = DS_RI * imax / 2 + 4 * DS_RI * (imax / down.gs);
+        let smem = (DS_TG * (padx_len(imax) + imax / 32) * 4).next_multiple_of(128) + 8 * 2 * slot;
         ensure!(smem <= SMEM_MAX, "moe_down_seqs: inner size {imax} needs {smem} bytes of shared memory");
         let (words, groups) = (down.words as i64, down.groups as i64);
         let v = [n_experts, i, is, h].map(|v| v as i32);

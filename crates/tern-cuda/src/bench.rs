@@ -422,6 +422,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         43 => "moe_gate_up_seqs",
         44 => "moe_down_seqs",
         45 => "router_seqs",
+        46 => "gemv_seqs",
         50 => "sample_rows",
         _ => "?",
     };

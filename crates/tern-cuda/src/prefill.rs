@@ -54,6 +54,7 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.flash_prefill_hd64,
         &f.moe_gate_up_seqs,
         &f.moe_down_seqs,
+        &f.gemv_seqs_q4,
     ]
 }
 
@@ -62,9 +63,14 @@ pub(crate) fn log2_exact(v: usize, what: &str) -> Result<i32> {
     Ok(v.trailing_zeros() as i32)
 }
 
-/// Upper bound of the grouped GEMMs' tiles for `n` tokens: every expert's pairs rounded up to the tile.
-pub fn max_moe_tiles(n: usize, k: usize, experts: usize) -> usize {
-    (n * (k + 1)).div_ceil(MOE_TILE) + experts + 1
+/// Pairs per tile of the streamed expert kernels (moe_seqs.cu: GU_TG, DS_TG): one pass over a tile's tokens, so
+/// that an expert many tokens share (the shared expert holds every token) is spread over many blocks rather than
+/// looped over in one.
+pub const STREAM_TILE: usize = 4;
+
+/// Upper bound of the tiles of `tile` pairs for `n` tokens: every expert's pairs rounded up to the tile.
+pub fn max_moe_tiles(n: usize, k: usize, experts: usize, tile: usize) -> usize {
+    (n * (k + 1)).div_ceil(tile) + experts + 1
 }
 
 /// Dimensions of a Gated DeltaNet layer: (key heads, value heads, key dim, value dim, conv taps).
@@ -326,17 +332,19 @@ impl Gpu {
         n: usize,
         k: usize,
         experts: usize,
+        tile: usize,
         out: &mut MoeSorted,
     ) -> Result<()> {
         ensure!(experts < 1024 && n > 0 && k >= 1, "moe_align: {experts} experts, k {k}");
+        ensure!((1..=MOE_TILE).contains(&tile), "moe_align: tiles of {tile} pairs (1..={MOE_TILE})");
         ensure!(idx.len() >= n * (k + 1), "moe_align: idx");
-        let tiles = max_moe_tiles(n, k, experts);
+        let tiles = max_moe_tiles(n, k, experts, tile);
         ensure!(
             out.rowmap.len() >= n * (k + 1) && out.pos.len() >= n * (k + 1) && out.tiles.len() >= 3 * tiles,
             "moe_align: outputs sized for fewer tokens"
         );
         ensure!(tiles <= 65535, "moe_align: {tiles} tiles over the grid limit");
-        let (ni, ki, ei, bn) = (n as i32, k as i32, experts as i32, MOE_TILE as i32);
+        let (ni, ki, ei, bn) = (n as i32, k as i32, experts as i32, tile as i32);
         let mut l = self.launcher(&self.f.moe_align);
         l.arg(idx).arg(&ni).arg(&ki).arg(&ei).arg(&bn).arg(&out.rowmap).arg(&out.pos).arg(&out.ntile).arg(&out.tiles);
         // SAFETY: matches moe_align (prefill.cu), one block of 1024 threads, experts + 1 <= 1024 counters in shared
@@ -346,6 +354,7 @@ impl Gpu {
         out.n = n;
         out.k = k;
         out.experts = experts;
+        out.tile = tile;
         out.max_tiles = tiles;
         Ok(())
     }
@@ -613,7 +622,8 @@ impl Gpu {
     }
 }
 
-/// The expert-sorted (token, slot) pairs of one MoE layer and the grouped GEMMs' tile list (moe_align).
+/// The expert-sorted (token, slot) pairs of one MoE layer and their tile list (moe_align): tiles of at most `tile`
+/// pairs of one expert (the grouped GEMMs take 64, the streamed kernels [`STREAM_TILE`]).
 pub struct MoeSorted {
     pub rowmap: CudaSlice<i32>,
     pub pos: CudaSlice<i32>,
@@ -622,6 +632,7 @@ pub struct MoeSorted {
     pub n: usize,
     pub k: usize,
     pub experts: usize,
+    pub tile: usize,
     pub max_tiles: usize,
 }
 
@@ -632,10 +643,11 @@ impl MoeSorted {
             rowmap: g.zeros(pairs)?,
             pos: g.zeros(pairs)?,
             ntile: g.zeros(1)?,
-            tiles: g.zeros(3 * max_moe_tiles(cap, k, experts))?,
+            tiles: g.zeros(3 * max_moe_tiles(cap, k, experts, STREAM_TILE))?,
             n: 0,
             k,
             experts,
+            tile: 0,
             max_tiles: 0,
         })
     }
@@ -999,7 +1011,11 @@ pub(crate) fn moe_rows(
         let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
         r.extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
     }
-    g.moe_align(&sc.idx, n, k, e, &mut sc.sorted)?;
+    let tile = match how {
+        MoeExperts::Gemm => MOE_TILE,
+        MoeExperts::Streamed { .. } => STREAM_TILE,
+    };
+    g.moe_align(&sc.idx, n, k, e, tile, &mut sc.sorted)?;
     match how {
         MoeExperts::Gemm => {
             mark("moe_gate_up (gemm)")?;

@@ -323,11 +323,11 @@ pub struct CudaOptions {
     /// Tokens one prefill pass reads at most (longer reads go in chunks of this many).
     pub prefill_chunk: usize,
     /// Decode items of a step (one token each) go through one batched pass ([`crate::batch`]) when there are two or
-    /// more; otherwise each through its own batch-1 graph. Default: off, or `TERN_BATCH_DECODE=1` — the batched
-    /// step has not yet run on a GPU (see docs/cuda-notes.md, "Batched decode").
+    /// more, and the prompt chunks of a step through one multi-sequence prefill; otherwise each through its own
+    /// batch-1 graph or prefill. Default: on; `TERN_BATCH_DECODE=0` turns it off.
     pub batched_decode: bool,
     /// Draws other than plain greedy run on the device ([`crate::sample`]): only the ids and asked-for logprobs
-    /// cross to the host. Default: off, or `TERN_GPU_SAMPLING=1` — not yet run on a GPU either.
+    /// cross to the host. Default: on; `TERN_GPU_SAMPLING=0` turns it off.
     pub gpu_sampling: bool,
 }
 
@@ -336,8 +336,8 @@ impl Default for CudaOptions {
         CudaOptions {
             max_context: 8192,
             prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
-            batched_decode: std::env::var("TERN_BATCH_DECODE").is_ok_and(|v| v == "1"),
-            gpu_sampling: std::env::var("TERN_GPU_SAMPLING").is_ok_and(|v| v == "1"),
+            batched_decode: std::env::var("TERN_BATCH_DECODE").map_or(true, |v| v != "0"),
+            gpu_sampling: std::env::var("TERN_GPU_SAMPLING").map_or(true, |v| v != "0"),
         }
     }
 }

@@ -49,9 +49,10 @@ fn logged_routes(be: &CudaBackend, st: &DeviceState) -> Vec<Vec<usize>> {
     log.chunks_exact(k + 1).map(|l| l[..k].iter().map(|&e| e as usize).collect()).collect()
 }
 
-/// What [`compare`] saw: logits distances and greedy agreement where the top-2 gap exceeds 2%, over the rows whose
-/// sequence has been routed exactly alike so far (a different expert choice in a near tie moves that token's hidden
-/// state by more than rounding, and the sequence's later rows with it), and how many rows that was.
+/// What [`compare`] saw: logits distances and greedy agreement where the top-2 gap exceeds 2%, over the rows
+/// routed exactly alike in that step (a different expert choice in a near tie moves that token's hidden state by
+/// more than rounding; the batched twin is then re-forked from the one alone, so every step starts from equal
+/// states), and how many rows that was.
 struct Seen {
     dist: Vec<f32>,
     tail: Vec<f32>,
@@ -62,13 +63,14 @@ struct Seen {
 
 /// Batched steps vs the same sequences alone, `steps` tokens each (both fed the alone run's greedy ids, so that one
 /// flip does not cascade); after `batched_until` steps the batched copies continue through the batch-1 graph too
-/// (their device position counter was left behind by the batched steps).
+/// (their device position counter was left behind by the batched steps). A twin whose step was routed differently
+/// is re-forked from the sequence alone after that step.
 fn compare(be: &CudaBackend, b: usize, steps: usize, batched_until: usize) -> Seen {
     let m = &be.model;
     let (v, k, layers) = (m.config.vocab_size, m.config.num_experts_per_tok, m.config.num_layers());
+    let log_len = layers * (k + 1);
     let (mut bat, mut alone) = twins(be, b);
     let mut next: Vec<u32> = (0..b).map(|s| (s * 7919 % v) as u32).collect();
-    let mut held = vec![true; b];
     let mut seen = Seen { dist: Vec::new(), tail: Vec::new(), decided: 0, same: 0, rows: 0 };
     let graph_step = |st: &mut DeviceState, id: u32| {
         st.set_token(&m.gpu, id).unwrap();
@@ -94,8 +96,10 @@ fn compare(be: &CudaBackend, b: usize, steps: usize, batched_until: usize) -> Se
         };
         for s in 0..b {
             assert_eq!(bat[s].len, alone[s].len, "step {step} row {s}: lengths");
-            held[s] &= ra[s] == rb[s];
-            if !held[s] {
+            if ra[s] != rb[s] {
+                let mut twin = alone[s].fork(&m.gpu).unwrap();
+                twin.route_log = Some(m.gpu.zeros::<i32>(log_len).unwrap());
+                bat[s] = twin;
                 continue;
             }
             seen.rows += 1;
@@ -116,9 +120,7 @@ fn compare(be: &CudaBackend, b: usize, steps: usize, batched_until: usize) -> Se
         let more = prompt(77 + s as u64, 3, v);
         let pa = alone[s].prefill(m, &more, true, false).unwrap().logits;
         let pb = bat[s].prefill(m, &more, true, false).unwrap().logits;
-        if held[s] {
-            seen.tail.push(rel(&pb, &pa));
-        }
+        seen.tail.push(rel(&pb, &pa));
     }
     seen
 }
@@ -135,7 +137,7 @@ fn batched_decode_matches_each_sequence_alone() {
         let seen = compare(&be, b, 24, 18);
         let (med, max) = (pct(&seen.dist, 0.5), pct(&seen.dist, 1.0));
         println!(
-            "tiny-b batch of {b}, 24 steps (18 batched, then 6 batch-1), {} of {} rows routed alike so far: logits vs \
+            "tiny-b batch of {b}, 24 steps (18 batched, then 6 batch-1), {} of {} rows routed alike: logits vs \
              alone median {med:.2e} max {max:.2e} (transformers bf16 vs f32: {ym:.2e} / {yx:.2e}); greedy ids equal \
              where the top-2 gap > 2%: {}/{}",
             seen.rows,
@@ -143,7 +145,8 @@ fn batched_decode_matches_each_sequence_alone() {
             seen.same,
             seen.decided
         );
-        assert!(seen.rows >= 6 * b, "batch of {b}: only {} rows routed alike (expected most)", seen.rows);
+        // a near tie routed differently (bf16 projection inputs against the graph's f32 ones) leaves that row out
+        assert!(seen.rows >= 24 * b / 3, "batch of {b}: only {} of {} rows routed alike", seen.rows, 24 * b);
         assert!(med <= ym && max <= yx, "batch of {b}: batched logits farther from alone than bf16 rounding");
         assert!(seen.decided > 0 && seen.same == seen.decided, "batch of {b}: greedy ids differ");
         // the steps after the batched ones are the graph's own on the batched state: within the same bound
@@ -169,7 +172,7 @@ fn batched_decode_full_shape() {
     let (med, max) = (pct_or_zero(&seen.dist, 0.5), pct_or_zero(&seen.dist, 1.0));
     let (_, yx) = yardstick();
     println!(
-        "full shape batch of 16, 6 steps, {} of 96 rows routed alike so far: logits vs alone median {med:.2e} max \
+        "full shape batch of 16, 6 steps, {} of 96 rows routed alike: logits vs alone median {med:.2e} max \
          {max:.2e}; greedy ids equal where the top-2 gap > 2%: {}/{}",
         seen.rows, seen.same, seen.decided
     );

@@ -31,8 +31,10 @@ pub struct Args {
     /// Context length per sequence (prompt + completion).
     #[arg(long, default_value_t = 32768)]
     pub ctx_size: usize,
-    /// Sequences decoded at once.
-    #[arg(long, default_value_t = 8)]
+    /// Sequences decoded at once, at most (admission is also by free memory: a request that does not fit waits
+    /// for running ones to finish). On CUDA each reserves its context's KV cache (~20 KB a token) and 126 MB of
+    /// recurrent state.
+    #[arg(long, default_value_t = 64)]
     pub max_concurrent: usize,
     /// Requests waiting beyond the running ones before the server answers 503 (0: none wait).
     #[arg(long, default_value_t = 64)]

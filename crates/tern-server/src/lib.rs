@@ -102,7 +102,7 @@ impl Default for ServeOptions {
             api_key: None,
             metrics_public: false,
             ctx_size: 32768,
-            max_concurrent: 8,
+            max_concurrent: 64,
             max_queue: 64,
             step_tokens: 0,
             max_body_bytes: 8 << 20,
