@@ -6,7 +6,8 @@
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
 #   tools/cuda-run.sh serve [serve args] tern serve --backend cuda on a full-shape random checkpoint, serve_probe.py
 #   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
-# The environment passes through (TERN_BATCH_DECODE=1 turns the batched decode step on; MAX_CONCURRENT, default 64).
+# The environment passes through (TERN_BATCH_DECODE=0 / TERN_GPU_SAMPLING=0 turn the batched step and GPU sampling
+# off, TERN_BATCH_GRAPHS=0 its graphs; TERN_STEP_LOG=1 logs every engine step to serve.log; MAX_CONCURRENT, default 64).
 set -u
 OUT=${OUT:-/tmp/tern-out}
 mkdir -p "$OUT"
@@ -63,6 +64,7 @@ serve | soak)
     python3 .carry/soak.py --port 8080 --clients "$clients" --seconds "$secs" --pid $pid --state-on gpu \
       --out "$OUT/soak.json" 2>&1 | tee "$OUT/soak.txt"
   fi
+  curl -s localhost:8080/metrics >"$OUT/metrics.txt"
   kill -INT $pid; sleep 2; kill -9 $pid 2>/dev/null
   grep -E "tern:|error|panic" "$OUT/serve.log" | tail -8
   ;;

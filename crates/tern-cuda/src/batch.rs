@@ -27,12 +27,16 @@
 //! refreshes it before its next step).
 
 use anyhow::{bail, ensure, Context, Result};
-use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaView, DevicePtr};
+use std::collections::HashMap;
+
+use cudarc::driver::{sys, CudaEvent, CudaGraph, CudaSlice, CudaView, DevicePtr};
 
 use crate::gpu::{cfg, Gpu};
 use crate::gpu::{Experts, QMat};
 use crate::model::{DMixer, DeviceModel};
-use crate::prefill::{log2_exact, moe_rows, scratch_rows, GdnDims, MoeExperts, MoeSorted, PrefillBuffers, SMEM_MAX};
+use crate::prefill::{
+    log2_exact, moe_rows, scratch_rows, GdnDims, MoeExperts, MoeSorted, PrefillBuffers, Routes, SMEM_MAX,
+};
 use crate::sample::SampleBatch;
 use crate::seq::{DeviceState, LState, Profile};
 use tern_engine::{Sample, Sampled, SamplingParams};
@@ -58,6 +62,13 @@ const DS_TG: usize = 4;
 /// Length of a shared-memory vector of `n` floats padded by 4 every 32 (`padx_len` in common.cuh).
 fn padx_len(n: usize) -> usize {
     n + (n >> 5) * 4 + 4
+}
+
+/// A batched step's expert choices, per layer (`[layer][n * k]`, rows in order; tests): appended to a log, or
+/// held to given ones (the weights from the step's own router logits, renormalised over them; a slow host path).
+pub enum StepRoutes<'a> {
+    Log(&'a mut [Vec<usize>]),
+    Hold(&'a [Vec<usize>]),
 }
 
 /// The token a batched step draws for one row.
@@ -104,7 +115,20 @@ pub struct SeqScratch {
     act: CudaSlice<f32>,
     /// The multi-sequence prefill's buffers, allocated on its first use.
     multi: Option<MultiScratch>,
+    /// The batched pass captured as a CUDA graph, by (rows, attention splits): every address it bakes in is one of
+    /// these buffers (pointer tables and positions are uploaded before each launch) or of the pass's scratch rows,
+    /// whose address at capture is `graph_x` (a reallocation clears them).
+    graphs: PassGraphs,
+    graph_x: u64,
 }
+
+/// Captured batched passes by (rows, attention splits).
+#[derive(Default)]
+struct PassGraphs(HashMap<(usize, usize), CudaGraph>);
+
+// SAFETY: the graphs live in the model's prefill buffers, behind its mutex: one thread at a time launches or drops
+// them (cudarc's CudaGraph holds raw handles, which are not Send by default; the context they belong to is).
+unsafe impl Send for PassGraphs {}
 
 /// One sequence's rows of a multi-sequence prefill, moved out of (and back into) the pass's row buffers: its
 /// projections `[cap, proj rows]`, its mixer output `[cap, wide]` (bf16), and every sequence's last hidden row.
@@ -131,6 +155,8 @@ impl SeqScratch {
                 logits: g.zeros(n * c.vocab_size)?,
                 act: g.zeros(n * (c.num_experts_per_tok + 1) * imax)?,
                 multi: None,
+                graphs: PassGraphs::default(),
+                graph_x: 0,
             })
         };
         alloc().context("cannot allocate the batched decode buffers (out of device memory?)")
@@ -162,15 +188,14 @@ impl DeviceModel {
     }
 
     /// [`DeviceModel::decode_seqs`]; with `prof`, every launch is bracketed by events and timed by kernel family;
-    /// with `routes`, every layer's routed experts of the rows are appended (`routes[layer]`, `[n * k]`; tests hold
-    /// the comparison to rows routed alike).
+    /// with `routes`, every layer's routed experts of the rows are logged or held to given ones ([`StepRoutes`]).
     pub fn decode_seqs_profiled(
         &self,
         seqs: &mut [&mut DeviceState],
         ids: &[u32],
         want: &[RowWant],
         prof: Option<&mut Profile>,
-        mut routes: Option<&mut Vec<Vec<usize>>>,
+        routes: Option<StepRoutes>,
     ) -> Result<Vec<RowOut>> {
         let (g, c) = (&*self.gpu, &self.config);
         let n = seqs.len();
@@ -189,8 +214,14 @@ impl DeviceModel {
             ensure!(s.len < s.max_ctx, "context full ({} tokens)", s.max_ctx);
             ensure!(s.layers.len() == self.layers.len(), "a sequence of another model");
         }
-        let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
-        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        if let Some(r) = &routes {
+            let layers = match r {
+                StepRoutes::Log(v) => v.len(),
+                StepRoutes::Hold(v) => v.len(),
+            };
+            ensure!(layers == self.layers.len(), "decode_seqs: routes for {layers} layers, not {}", self.layers.len());
+        }
+        let (h, nkv) = (c.hidden_size, c.num_key_value_heads);
         let nl = self.layers.len();
         // per-layer pointer tables, [layer][row]
         let (mut ta, mut tb) = (vec![0u64; nl * n], vec![0u64; nl * n]);
@@ -206,12 +237,14 @@ impl DeviceModel {
             }
         }
         let posv: Vec<i32> = seqs.iter().map(|s| s.len as i32).collect();
-        let max_len = seqs.iter().map(|s| s.len + 1).max().unwrap_or(1);
-        let ns = splits(g, n, nkv, max_len);
+        // the splits depend on the capacity, not the lengths, so that a captured pass serves any positions
+        let max_ctx = seqs.iter().map(|s| s.max_ctx).max().unwrap_or(1);
+        let ns = splits(g, n, nkv, max_ctx);
 
         let mut guard =
             self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        let PrefillBuffers { chunk, scratch, seqs: seq_scratch } = &mut *guard;
+        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, graphs } = &mut *guard;
+        let use_graph = *graphs && prof.is_none() && routes.is_none();
         let sc = scratch_rows(scratch, self, n.max(*chunk))?;
         if seq_scratch.is_none() {
             *seq_scratch = Some(SeqScratch::new(self)?);
@@ -221,15 +254,8 @@ impl DeviceModel {
         g.stream.memcpy_htod(&ta, &mut sq.tab_a.slice_mut(..nl * n))?;
         g.stream.memcpy_htod(&tb, &mut sq.tab_b.slice_mut(..nl * n))?;
 
-        // profiling: an event before each kernel family's launch (the name is the family that follows)
-        let mut events: Vec<(&'static str, CudaEvent)> = Vec::new();
-        let timed = prof.is_some();
-        let mut mark = |name: &'static str| -> Result<()> {
-            if timed {
-                events.push((name, g.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?));
-            }
-            Ok(())
-        };
+        let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        g.stream.memcpy_htod(&v, &mut sc.ids.slice_mut(..n))?;
         // the streamed router and MoE kernels need sizes in multiples of their group sizes (powers of two >= 32), a
         // router of at most 2,048 columns (the model's shapes); other shapes take router_rows and the GEMMs
         let streamed = self.layers.iter().all(|l| {
@@ -237,8 +263,101 @@ impl DeviceModel {
             let fits = |gs: usize| gs >= 32 && gs.is_power_of_two() && sizes.iter().all(|v| v % gs == 0);
             fits(l.gate_up.gs) && fits(l.down.gs) && l.router.cols <= 2048 && l.router.gs.is_power_of_two()
         });
+        let pass = PassShape { n, ns, streamed };
+        let mut events: Vec<(&'static str, CudaEvent)> = Vec::new();
+        let mut graphed = false;
+        if use_graph {
+            // kernels only from here to the logits: one graph per shape, captured on first use; a capture that
+            // fails turns graphs off for good (the kernels then launch one by one: slower, same results)
+            match self.replay_pass(sc, sq, pass) {
+                Ok(()) => graphed = true,
+                Err(e) => {
+                    *graphs = false;
+                    eprintln!("tern: capturing the batched decode pass failed ({e:#}); its kernels launch one by one");
+                }
+            }
+        }
+        if !graphed {
+            // profiling: an event before each kernel family's launch (the name is the family that follows)
+            let timed = prof.is_some();
+            let mut mark = |name: &'static str| -> Result<()> {
+                if timed {
+                    events.push((name, g.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?));
+                }
+                Ok(())
+            };
+            self.batched_pass(sc, sq, pass, routes, &mut mark)?;
+        }
+        let out = draw_rows(g, vocab, want, &mut sq.logits)?;
+        if prof.is_some() {
+            events.push(("", g.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?));
+        }
+        g.stream.synchronize()?;
+        if let Some(p) = prof {
+            for w in events.windows(2) {
+                let ((name, a), (_, b)) = (&w[0], &w[1]);
+                if !name.is_empty() {
+                    p.add(name, a.elapsed_ms(b)? as f64);
+                }
+            }
+        }
+        for s in seqs.iter_mut() {
+            s.len += 1;
+            s.pos_stale = true;
+        }
+        Ok(out)
+    }
+}
+
+/// What a batched pass's launches depend on besides the buffers' addresses: rows, attention splits, and whether the
+/// experts take the streamed kernels.
+#[derive(Clone, Copy)]
+struct PassShape {
+    n: usize,
+    ns: usize,
+    streamed: bool,
+}
+
+impl DeviceModel {
+    /// Launch the batched pass as the CUDA graph of its shape, capturing it first if there is none (graphs whose
+    /// scratch rows have moved are dropped).
+    fn replay_pass(&self, sc: &mut crate::prefill::Scratch, sq: &mut SeqScratch, pass: PassShape) -> Result<()> {
+        let g = &*self.gpu;
+        let x = ptr(g, &sc.x);
+        if sq.graph_x != x {
+            sq.graphs.0.clear();
+            sq.graph_x = x;
+        }
+        let key = (pass.n, pass.ns);
+        if !sq.graphs.0.contains_key(&key) {
+            let st = g.stream.clone();
+            st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let r = self.batched_pass(sc, sq, pass, None, &mut |_| Ok(()));
+            let graph = st.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+            r?;
+            sq.graphs.0.insert(key, graph?.context("empty graph of the batched pass")?);
+        }
+        sq.graphs.0.get(&key).context("the batched pass's graph")?.launch()?;
+        Ok(())
+    }
+
+    /// The batched pass's launches, from the ids in `sc.ids` to the logits in `sq.logits` (pointer tables and
+    /// positions already uploaded): kernels only, unless `routes` asks for a host round trip per layer, so that it
+    /// can be captured as a graph. `mark` names each kernel family before its launch (profiling); the lm_head is
+    /// the last family.
+    fn batched_pass(
+        &self,
+        sc: &mut crate::prefill::Scratch,
+        sq: &mut SeqScratch,
+        PassShape { n, ns, streamed }: PassShape,
+        mut routes: Option<StepRoutes>,
+        mark: &mut dyn FnMut(&'static str) -> Result<()>,
+    ) -> Result<()> {
+        let (g, c) = (&*self.gpu, &self.config);
+        let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         mark("embed")?;
-        g.embed_rows(&self.embed, ids, &mut sc.ids, &mut sc.x)?;
+        g.embed_rows_dev(&self.embed, &sc.ids, n, &mut sc.x)?;
         for (li, l) in self.layers.iter().enumerate() {
             let (ta, tb) = (sq.tab_a.slice(li * n..(li + 1) * n), sq.tab_b.slice(li * n..(li + 1) * n));
             mark("rmsnorm")?;
@@ -272,28 +391,16 @@ impl DeviceModel {
                 true => MoeExperts::Streamed { act: &mut sq.act },
                 false => MoeExperts::Gemm,
             };
-            let log = routes.as_deref_mut().and_then(|r| r.get_mut(li));
-            moe_rows(self, li, sc, n, how, log, &mut mark)?;
+            let held = match routes.as_mut() {
+                Some(StepRoutes::Log(log)) => Some(Routes::Log(&mut log[li])),
+                Some(StepRoutes::Hold(held)) => Some(Routes::Hold(&held[li])),
+                None => None,
+            };
+            moe_rows(self, li, sc, n, how, held, mark)?;
         }
         mark("lm_head (gemm) + sample")?;
         g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
-        g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, vocab, false)?;
-        let out = draw_rows(g, vocab, want, &mut sq.logits)?;
-        mark("")?;
-        g.stream.synchronize()?;
-        if let Some(p) = prof {
-            for w in events.windows(2) {
-                let ((name, a), (_, b)) = (&w[0], &w[1]);
-                if !name.is_empty() {
-                    p.add(name, a.elapsed_ms(b)? as f64);
-                }
-            }
-        }
-        for s in seqs.iter_mut() {
-            s.len += 1;
-            s.pos_stale = true;
-        }
-        Ok(out)
+        g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, c.vocab_size, false)
     }
 }
 
@@ -343,7 +450,7 @@ impl DeviceModel {
         let longest = chunks.iter().map(|c| c.len()).max().unwrap_or(1);
         let mut guard =
             self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        let PrefillBuffers { chunk, scratch, seqs: seq_scratch } = &mut *guard;
+        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, .. } = &mut *guard;
         ensure!(total <= *chunk, "a multi-sequence prefill of {total} tokens over the prefill chunk of {chunk}");
         let sc = scratch_rows(scratch, self, *chunk)?;
         if seq_scratch.is_none() {

@@ -141,6 +141,12 @@ pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak
     Ok(())
 }
 
+/// Batched passes as CUDA graphs or not ([`crate::prefill::PrefillBuffers::graphs`]).
+fn set_graphs(m: &crate::model::DeviceModel, on: bool) -> Result<()> {
+    m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned"))?.graphs = on;
+    Ok(())
+}
+
 /// Context of every sequence in the batched decode table.
 const BATCH_CTX: usize = 512;
 /// Batch sizes of the batched decode table.
@@ -176,11 +182,11 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
     let dense = m.weight_bytes_per_token() - layers * k * expert;
     let gdn_state = 2 * n_gdn * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4;
     let kv = n_attn * ctx * c.num_key_value_heads * c.head_dim * 2 * 2;
-    println!("batched decode, {ctx} tokens of context per sequence (DeviceModel::decode_seqs; no graph); greedy, and");
-    println!("sampled on the GPU at temperature 0.7, top-p 0.95, top-k 20:");
+    println!("batched decode, {ctx} tokens of context per sequence (DeviceModel::decode_seqs, a CUDA graph per batch");
+    println!("size); greedy, sampled on the GPU at temperature 0.7, top-p 0.95, top-k 20, and greedy without graphs:");
     println!(
-        "{:>6} {:>10} {:>10} {:>10} {:>9} {:>10} {:>6}",
-        "seqs", "ms/step", "tok/s", "sampled/s", "experts", "ceil t/s", "%"
+        "{:>6} {:>10} {:>10} {:>10} {:>9} {:>9} {:>10} {:>6}",
+        "seqs", "ms/step", "tok/s", "sampled/s", "no graph", "experts", "ceil t/s", "%"
     );
     let fl = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let hot = tern_engine::SamplingParams { temperature: 0.7, top_p: 0.95, top_k: 20, ..Default::default() };
@@ -198,8 +204,10 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
         let greedy = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
         let sampled: Vec<RowWant> =
             samples[..b].iter().map(|s| RowWant { logits: false, draw: Draw::Sample(s) }).collect();
-        let mut ms = [0.0; 2];
-        for (want, ms) in [&greedy, &sampled].into_iter().zip(ms.iter_mut()) {
+        let mut ms = [0.0; 3];
+        for ((want, graphs), ms) in [(&greedy, true), (&sampled, true), (&greedy, false)].into_iter().zip(ms.iter_mut())
+        {
+            set_graphs(m, graphs)?;
             let mut times = Vec::new();
             for rep in 0..=repeats {
                 let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
@@ -220,13 +228,14 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
         let distinct = e as f64 * (1.0 - (1.0 - k as f64 / e as f64).powi(b as i32));
         let bytes = dense as f64 + layers as f64 * distinct * expert as f64 + b as f64 * (gdn_state + kv) as f64;
         let ceil = b as f64 * BW / bytes;
-        let (tps, sps) = (b as f64 * 1e3 / ms[0], b as f64 * 1e3 / ms[1]);
+        let (tps, sps, nps) = (b as f64 * 1e3 / ms[0], b as f64 * 1e3 / ms[1], b as f64 * 1e3 / ms[2]);
         println!(
-            "{b:>6} {:>10.3} {tps:>10.0} {sps:>10.0} {distinct:>9.1} {ceil:>10.0} {:>5.1}%",
+            "{b:>6} {:>10.3} {tps:>10.0} {sps:>10.0} {nps:>9.0} {distinct:>9.1} {ceil:>10.0} {:>5.1}%",
             ms[0],
             100.0 * tps / ceil
         );
     }
+    set_graphs(m, true)?;
     println!("(ceiling: bytes per step / 4.3 TB/s; experts: expected distinct routed experts per layer)");
     let b = 32.min(bmax);
     let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();

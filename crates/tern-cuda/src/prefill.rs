@@ -241,14 +241,23 @@ impl Gpu {
         if let Some(bad) = ids.iter().find(|&&i| i as usize >= m.rows) {
             bail!("token id {bad} is outside the vocabulary (size {})", m.rows);
         }
-        let glog = log2_exact(m.gs, "embed_rows: group size")?;
         let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         self.stream.memcpy_htod(&v, &mut dev_ids.slice_mut(..v.len()))?;
+        self.embed_rows_dev(m, dev_ids, ids.len(), x)
+    }
+
+    /// [`Gpu::embed_rows`] of the first `n` ids already on the device (each `< m.rows`: the caller checked them
+    /// before uploading; the kernel reads whatever is there), a launch only (graph capture).
+    pub fn embed_rows_dev(&self, m: &QMat, dev_ids: &CudaSlice<i32>, n: usize, x: &mut CudaSlice<f32>) -> Result<()> {
+        ensure!(m.bits == 4 && m.cols % 8 == 0, "embed_rows: {}-bit / {} cols", m.bits, m.cols);
+        ensure!(n > 0 && dev_ids.len() >= n && x.len() >= n * m.cols, "embed_rows: buffers");
+        let glog = log2_exact(m.gs, "embed_rows: group size")?;
         let cols = m.cols as i32;
         let mut l = self.launcher(&self.f.embed_rows);
-        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&cols).arg(&glog).arg(&*dev_ids).arg(&*x);
-        // SAFETY: matches embed_rows (prefill.cu); every id < rows (checked), x holds ids.len() rows.
-        unsafe { l.launch(cfg((ids.len() as u32, 1), 256, 0)) }?;
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&cols).arg(&glog).arg(dev_ids).arg(&*x);
+        // SAFETY: matches embed_rows (prefill.cu); the first n device ids are < rows (the callers check the ids
+        // they upload), x holds n rows.
+        unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
         Ok(())
     }
 
@@ -758,11 +767,15 @@ pub struct PrefillBuffers {
     pub chunk: usize,
     pub scratch: Option<Scratch>,
     pub seqs: Option<crate::batch::SeqScratch>,
+    /// The batched decode pass replays a CUDA graph per shape (default), or launches its kernels one by one
+    /// (`TERN_BATCH_GRAPHS=0`; the bench times both).
+    pub graphs: bool,
 }
 
 impl PrefillBuffers {
     pub fn new(chunk: usize) -> Mutex<PrefillBuffers> {
-        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None, seqs: None })
+        let graphs = std::env::var("TERN_BATCH_GRAPHS").map_or(true, |v| v != "0");
+        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None, seqs: None, graphs })
     }
 }
 
@@ -930,7 +943,7 @@ impl DeviceState {
                 _ => bail!("layer {li}: state does not match the model's layer kind"),
             }
             let routes = route_log.as_deref_mut().map(|r| &mut r[li]);
-            moe_rows(m, li, sc, n, MoeExperts::Gemm, routes, &mut mark)?;
+            moe_rows(m, li, sc, n, MoeExperts::Gemm, routes.map(Routes::Log), &mut mark)?;
         }
         if let Some(out) = all_logits {
             let v = c.vocab_size;
@@ -976,16 +989,24 @@ pub(crate) enum MoeExperts<'a> {
     Streamed { act: &'a mut CudaSlice<f32> },
 }
 
+/// What a pass does with one layer's expert choices (tests): append the rows' routed experts to a log (`[n * k]`),
+/// or hold them to given ones (`[n * k]`: weighted by the router's softmax renormalised over them, as
+/// `tern_model::forward::route_forced`; the host computes the weights, so it is a slow path for tests).
+pub enum Routes<'a> {
+    Log(&'a mut Vec<usize>),
+    Hold(&'a [usize]),
+}
+
 /// The MoE block of layer `li` for the `n` rows of `sc.x` (residual added in place): post-norm, f32 router, top-k,
-/// the pairs sorted by expert, gate|up + SwiGLU and down products (`how`), combine. With `routes`, the rows' routed
-/// experts are appended (`[n * k]`); `mark` names each kernel family before its launch (profiling).
+/// the pairs sorted by expert, gate|up + SwiGLU and down products (`how`), combine. `routes` logs or holds the
+/// expert choices; `mark` names each kernel family before its launch (profiling).
 pub(crate) fn moe_rows(
     m: &DeviceModel,
     li: usize,
     sc: &mut Scratch,
     n: usize,
     how: MoeExperts,
-    routes: Option<&mut Vec<usize>>,
+    routes: Option<Routes>,
     mark: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<()> {
     let (g, c, l) = (&*m.gpu, &m.config, &m.layers[li]);
@@ -1007,9 +1028,28 @@ pub(crate) fn moe_rows(
     }
     mark("moe_topk+align")?;
     g.topk_rows(&sc.rlogits, e, k, n, &mut sc.idx, &mut sc.wts)?;
-    if let Some(r) = routes {
-        let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
-        r.extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
+    match routes {
+        Some(Routes::Log(r)) => {
+            let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
+            r.extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
+        }
+        Some(Routes::Hold(held)) => {
+            ensure!(
+                held.len() == n * k && held.iter().all(|&x| x < e),
+                "layer {li}: {} held expert ids for {n} rows of {k} (each < {e})",
+                held.len()
+            );
+            let logits = g.stream.clone_dtoh(&sc.rlogits.slice(..n * (e + 1)))?;
+            let (mut idx, mut wts) = (Vec::with_capacity(n * (k + 1)), Vec::with_capacity(n * (k + 1)));
+            for (t, row) in logits.chunks_exact(e + 1).enumerate() {
+                let rw = tern_model::forward::route_forced(&row[..e], &held[t * k..(t + 1) * k]);
+                idx.extend(rw.iter().map(|r| r.0 as i32).chain([e as i32]));
+                wts.extend(rw.iter().map(|r| r.1).chain([1.0 / (1.0 + (-row[e]).exp())]));
+            }
+            g.stream.memcpy_htod(&idx, &mut sc.idx.slice_mut(..n * (k + 1)))?;
+            g.stream.memcpy_htod(&wts, &mut sc.wts.slice_mut(..n * (k + 1)))?;
+        }
+        None => {}
     }
     let tile = match how {
         MoeExperts::Gemm => MOE_TILE,

@@ -8,7 +8,7 @@
 //! Without a CUDA device each test prints `NO GPU: <name> not run ...` and passes; `TERN_REQUIRE_CUDA=1` turns
 //! that into a failure.
 
-use tern_cuda::batch::{Draw, RowWant, MAX_SEQS};
+use tern_cuda::batch::{Draw, RowWant, StepRoutes, MAX_SEQS};
 use tern_cuda::sample::{sample_reference, SampleBatch};
 use tern_cuda::seq::CudaOptions;
 use tern_cuda::{gpu_or_skip, CudaBackend, CudaSlots, DeviceState};
@@ -64,8 +64,9 @@ struct Seen {
 /// Batched steps vs the same sequences alone, `steps` tokens each (both fed the alone run's greedy ids, so that one
 /// flip does not cascade); after `batched_until` steps the batched copies continue through the batch-1 graph too
 /// (their device position counter was left behind by the batched steps). A twin whose step was routed differently
-/// is re-forked from the sequence alone after that step.
-fn compare(be: &CudaBackend, b: usize, steps: usize, batched_until: usize) -> Seen {
+/// is re-forked from the sequence alone after that step. With `hold`, the batched steps take the experts the
+/// sequences alone chose (their own router logits weight them), so every row is routed alike.
+fn compare(be: &CudaBackend, b: usize, steps: usize, batched_until: usize, hold: bool) -> Seen {
     let m = &be.model;
     let (v, k, layers) = (m.config.vocab_size, m.config.num_experts_per_tok, m.config.num_layers());
     let log_len = layers * (k + 1);
@@ -84,7 +85,11 @@ fn compare(be: &CudaBackend, b: usize, steps: usize, batched_until: usize) -> Se
             let mut refs: Vec<&mut DeviceState> = bat.iter_mut().collect();
             let want = vec![RowWant { logits: true, draw: Draw::Argmax(v) }; b];
             let mut routes = vec![Vec::new(); layers];
-            let rows = m.decode_seqs_profiled(&mut refs, &next, &want, None, Some(&mut routes)).unwrap();
+            if hold {
+                routes = (0..layers).map(|li| ra.iter().flat_map(|r| r[li].iter().copied()).collect()).collect();
+            }
+            let ctl = if hold { StepRoutes::Hold(&routes) } else { StepRoutes::Log(&mut routes) };
+            let rows = m.decode_seqs_profiled(&mut refs, &next, &want, None, Some(ctl)).unwrap();
             for (r, row) in rows.iter().enumerate() {
                 let (l, t) = (row.logits.as_ref().unwrap(), row.token.as_ref().unwrap().as_ref().unwrap());
                 assert_eq!(t.token as usize, argmax(l), "step {step} row {r}: the device's greedy draw vs its logits");
@@ -134,7 +139,7 @@ fn batched_decode_matches_each_sequence_alone() {
     let be = CudaBackend::new(&w, CudaOptions::with_context(256)).unwrap();
     let (ym, yx) = yardstick();
     for b in [2, 5, MAX_SEQS] {
-        let seen = compare(&be, b, 24, 18);
+        let seen = compare(&be, b, 24, 18, false);
         let (med, max) = (pct(&seen.dist, 0.5), pct(&seen.dist, 1.0));
         println!(
             "tiny-b batch of {b}, 24 steps (18 batched, then 6 batch-1), {} of {} rows routed alike: logits vs \
@@ -161,31 +166,24 @@ fn batched_decode_matches_each_sequence_alone() {
 }
 
 /// The full shape (random weights generated on the GPU: 40 layers, 256 experts, head dim 256, vocab 248,320): a batch
-/// of 16 sequences at different positions, 6 steps. Random full-shape routers have many near ties (an f32 decode
-/// against another f32 decode flips a route in most steps), so the bound holds on the rows routed alike.
+/// of 16 sequences at different positions, 6 steps. Random full-shape routers have so many near ties that no step
+/// of a sequence is routed alike in all 40 layers by two paths that round differently, so the batched steps hold
+/// the experts the sequences alone chose: every row is then compared, and bounded by transformers' bf16 distance.
 #[test]
 fn batched_decode_full_shape() {
     let Some(_g) = gpu_or_skip("batched_decode_full_shape") else { return };
     let c = full_config();
     let be = CudaBackend::random(&c, 11, CudaOptions::with_context(256)).unwrap();
-    let seen = compare(&be, 16, 6, 6);
-    let (med, max) = (pct_or_zero(&seen.dist, 0.5), pct_or_zero(&seen.dist, 1.0));
+    let seen = compare(&be, 16, 6, 6, true);
+    let (med, max) = (pct(&seen.dist, 0.5), pct(&seen.dist, 1.0));
     let (_, yx) = yardstick();
     println!(
-        "full shape batch of 16, 6 steps, {} of 96 rows routed alike: logits vs alone median {med:.2e} max \
+        "full shape batch of 16, 6 steps, routing held: {} of 96 rows: logits vs alone median {med:.2e} max \
          {max:.2e}; greedy ids equal where the top-2 gap > 2%: {}/{}",
         seen.rows, seen.same, seen.decided
     );
+    assert_eq!(seen.rows, 96, "full shape: rows held alike");
     assert!(max <= yx && seen.same == seen.decided, "full shape: median {med} max {max}");
-}
-
-/// `pct` of a possibly empty list (0 when empty).
-fn pct_or_zero(v: &[f32], q: f32) -> f32 {
-    if v.is_empty() {
-        0.0
-    } else {
-        pct(v, q)
-    }
 }
 
 /// Through the backend seam with batched decode and GPU sampling on: five prompts read in one step (one
@@ -449,4 +447,43 @@ fn batched_decode_rejects_bad_input() {
     let ok = m.decode_seqs(&mut [&mut a], &[1], &want[..1]).unwrap();
     assert_eq!((ok.len(), a.len), (1, 1));
     println!("batched decode bad input: clear errors, no sequence changed; still works");
+}
+
+/// The batched pass replayed as a CUDA graph gives exactly what its kernels launched one by one give: the same
+/// sequences twice, one set stepped with graphs and one without, in batches of 3, then 2 (another graph), then 3
+/// other sequences (the first graph at new positions with other pointer tables), for several rounds.
+#[test]
+fn batched_graph_equals_launches() {
+    let Some(_g) = gpu_or_skip("batched_graph_equals_launches") else { return };
+    let w = tiny_b_q4();
+    let be = CudaBackend::new(&w, CudaOptions::with_context(256)).unwrap();
+    let m = &be.model;
+    let v = m.config.vocab_size;
+    let (mut with, mut without) = twins(&be, 5);
+    let set = |on: bool| m.prefill.lock().unwrap().graphs = on;
+    let groups: [&[usize]; 3] = [&[0, 1, 2], &[3, 4], &[2, 3, 4]];
+    let mut steps = 0;
+    for round in 0..4 {
+        for rows in groups {
+            let ids: Vec<u32> = rows.iter().map(|&r| ((r * 131 + round * 17 + 5) % v) as u32).collect();
+            let want = vec![RowWant { logits: true, draw: Draw::Argmax(v) }; rows.len()];
+            let mut outs = Vec::new();
+            for (states, on) in [(&mut with, true), (&mut without, false)] {
+                set(on);
+                let mut refs: Vec<&mut DeviceState> =
+                    states.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| s).collect();
+                outs.push(m.decode_seqs(&mut refs, &ids, &want).unwrap());
+                assert_eq!(m.prefill.lock().unwrap().graphs, on, "a capture failed and turned graphs off");
+            }
+            for (r, (a, b)) in outs[0].iter().zip(&outs[1]).enumerate() {
+                assert_eq!(a.logits, b.logits, "round {round} rows {rows:?} row {r}: graph vs launches");
+                let (ta, tb) =
+                    (a.token.as_ref().unwrap().as_ref().unwrap(), b.token.as_ref().unwrap().as_ref().unwrap());
+                assert_eq!(ta.token, tb.token, "round {round} rows {rows:?} row {r}: greedy ids");
+            }
+            steps += 1;
+        }
+    }
+    set(true);
+    println!("batched pass as a graph = launched one by one, bit for bit: {steps} steps of 2-3 of 5 sequences");
 }

@@ -31,8 +31,9 @@
 //! # Prefix cache
 //!
 //! Snapshots of sequence states by the tokens they have read, taken at the start of the turn being generated (the
-//! last `<|im_start|>` of the prompt: a chat or agent loop resends everything before it) and at the end of every
-//! finished reply (prompt + reply). A request whose prompt starts with a snapshot's tokens forks it and reads only
+//! last `<|im_start|>` of the prompt: a chat or agent loop resends everything before it; only when that prefix
+//! holds [`EngineConfig::snapshot_min_tokens`] uncached tokens, since the prompt is then read in two chunks) and at
+//! the end of every finished reply (prompt + reply). A request whose prompt starts with a snapshot's tokens forks it and reads only
 //! the rest (`cached_tokens` in its usage). Bounded by [`EngineConfig::prefix_cache_bytes`] of backend state;
 //! what saves the least prefill per byte, discounted by how long ago it was last useful, is evicted first.
 //!
@@ -72,10 +73,17 @@ pub struct EngineConfig {
     /// [`Backend::step_tokens`] (512 on the CPU, the prefill chunk on CUDA).
     pub step_tokens: usize,
     /// Bytes of backend state the prefix cache may keep (0: no cache); 4 GiB (≈ 40 snapshots of the full model
-    /// at 1k tokens on the CPU, ≈ 18 on the interim CUDA backend at an 8k context).
+    /// at 1k tokens on the CPU; ≈ 5 on CUDA at a 32k context, where a snapshot holds a whole sequence's buffers).
     pub prefix_cache_bytes: usize,
     /// Threads computing the token masks of constrained requests (beside the steps); half the cores, 1 to 8.
     pub constraint_threads: usize,
+    /// The turn-start snapshot is taken only when the prompt before the turn start holds at least this many
+    /// tokens beyond what was cached: reading the prompt in two chunks costs a step (on CUDA ~20 ms alone, ~90
+    /// ms for 32 prompts at once), more than re-reading a short prefix next time; 256.
+    pub snapshot_min_tokens: usize,
+    /// One line on stderr per step: items, tokens, the backend's time, the time applying the results (prefix-cache
+    /// snapshots included), running and waiting requests. Off; `TERN_STEP_LOG=1` turns it on.
+    pub step_log: bool,
 }
 
 impl Default for EngineConfig {
@@ -87,6 +95,8 @@ impl Default for EngineConfig {
             step_tokens: 0,
             prefix_cache_bytes: 4 << 30,
             constraint_threads: std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 8)),
+            snapshot_min_tokens: 256,
+            step_log: std::env::var("TERN_STEP_LOG").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -243,8 +253,12 @@ pub struct Stats {
     pub admitted: AtomicUsize,
     /// Sequences in the scheduler's running set after its last step (for /metrics).
     pub active: AtomicUsize,
-    /// Backend steps run.
+    /// Backend steps run, the tokens they read (decodes and prompt chunks), the microseconds the backend took for
+    /// them, and the microseconds spent between steps applying their results (prefix-cache snapshots included).
     pub steps: AtomicU64,
+    pub step_tokens: AtomicU64,
+    pub step_us: AtomicU64,
+    pub apply_us: AtomicU64,
     /// Snapshots in the prefix cache and the bytes of state they hold.
     pub prefix_cache_entries: AtomicUsize,
     pub prefix_cache_bytes: AtomicUsize,
@@ -753,7 +767,10 @@ impl<'a> Scheduler<'a> {
             tokens: prompt.clone(),
             fed: cached,
             prompt_len: prompt.len(),
-            boundary: prompt.iter().rposition(|&t| t == IM_START_ID).unwrap_or(0),
+            boundary: match prompt.iter().rposition(|&t| t == IM_START_ID) {
+                Some(b) if b >= cached + self.cfg.snapshot_min_tokens => b,
+                _ => 0,
+            },
             reserve: prompt.len() + job.req.max_tokens,
             seq,
             detok,
@@ -768,6 +785,7 @@ impl<'a> Scheduler<'a> {
     /// Run one backend step over `plan` and apply its results.
     fn run_step(&mut self, plan: Vec<(usize, usize)>) {
         let limit = self.tok.vocab_size();
+        let step_took;
         let outcome = {
             let work: Vec<Work> = plan
                 .iter()
@@ -789,9 +807,16 @@ impl<'a> Scheduler<'a> {
                 })
                 .collect();
             let backend = self.backend;
-            catch_unwind(AssertUnwindSafe(|| backend.step(&work)))
+            let t0 = Instant::now();
+            let r = catch_unwind(AssertUnwindSafe(|| backend.step(&work)));
+            let tokens: usize = work.iter().map(|w| w.ids.len()).sum();
+            step_took = (t0.elapsed(), work.len(), tokens);
+            r
         };
+        let t_apply = Instant::now();
         self.stats.steps.fetch_add(1, Ordering::Relaxed);
+        self.stats.step_tokens.fetch_add(step_took.2 as u64, Ordering::Relaxed);
+        self.stats.step_us.fetch_add(step_took.0.as_micros() as u64, Ordering::Relaxed);
         let mut fates: Vec<(usize, Fate)> = Vec::with_capacity(plan.len());
         match outcome {
             Ok(results) if results.len() == plan.len() => {
@@ -819,6 +844,20 @@ impl<'a> Scheduler<'a> {
                     }
                 }
             }
+        }
+        let applied = t_apply.elapsed();
+        self.stats.apply_us.fetch_add(applied.as_micros() as u64, Ordering::Relaxed);
+        if self.cfg.step_log {
+            let (took, items, tokens) = step_took;
+            eprintln!(
+                "tern step {}: {items} items, {tokens} tokens, backend {:.2} ms, then {:.2} ms applying (snapshots \
+                 included); {} running, {} waiting",
+                self.stats.steps.load(Ordering::Relaxed),
+                took.as_secs_f64() * 1e3,
+                applied.as_secs_f64() * 1e3,
+                self.active.len(),
+                self.waiting.len()
+            );
         }
         // Remove the finished, highest index first so the others keep theirs.
         fates.sort_by_key(|f| std::cmp::Reverse(f.0));

@@ -215,7 +215,7 @@ fn prefix_cache_serves_multi_turn_chats_within_its_byte_bound() {
     let template = ChatTemplate::from_dir(tern_model::testutil::qwen_dir().unwrap()).unwrap();
     let c = w.config.clone();
     let bound = 6 * State::bytes_for(&c, 60); // about one and a half conversations
-    let cfg = EngineConfig { prefix_cache_bytes: bound, ..EngineConfig::default() };
+    let cfg = EngineConfig { prefix_cache_bytes: bound, snapshot_min_tokens: 0, ..EngineConfig::default() };
     let engine = Arc::new(Engine::start(Arc::new(CpuBackend::new(w)), tok.clone(), cfg));
     // The cache's published size, sampled all along.
     let (stop, peak) =

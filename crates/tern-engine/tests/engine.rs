@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -92,7 +93,9 @@ fn boundary_snapshot_serves_the_next_turn() {
     let tok = tok_or_skip!("boundary_snapshot_serves_the_next_turn");
     let script = [tok.encode("ok", false).unwrap(), vec![IM_END_ID]].concat();
     let backend = Arc::new(ScriptedBackend::new(248320, script));
-    let engine = Engine::start(backend, tok.clone(), EngineConfig::default());
+    // a short prompt: its turn start is snapshotted only with the threshold lowered (see the test after this one)
+    let cfg = EngineConfig { snapshot_min_tokens: 0, ..EngineConfig::default() };
+    let engine = Engine::start(backend, tok.clone(), cfg);
     let turn1 = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", false).unwrap();
     let mut req = greedy(turn1.clone(), 8);
     req.stop_ids = vec![IM_END_ID];
@@ -107,6 +110,35 @@ fn boundary_snapshot_serves_the_next_turn() {
         Event::Done { usage, .. } => assert!(usage.cached_tokens >= boundary, "{usage:?}"),
         e => panic!("{e:?}"),
     }
+}
+
+/// A prompt whose turn start comes after fewer than `snapshot_min_tokens` tokens is read in one chunk (no split at
+/// the turn start, no snapshot there: one step fewer); a longer one is split there, one step more, and snapshotted.
+#[test]
+fn short_prompts_are_not_split_at_the_turn_start() {
+    let tok = tok_or_skip!("short_prompts_are_not_split_at_the_turn_start");
+    let script = [tok.encode("ok", false).unwrap(), vec![IM_END_ID]].concat();
+    let backend = Arc::new(ScriptedBackend::new(248320, script));
+    let cfg = EngineConfig { snapshot_min_tokens: 40, prefix_cache_bytes: 1 << 30, ..EngineConfig::default() };
+    let engine = Engine::start(backend, tok.clone(), cfg);
+    let mut seen = Vec::new();
+    for words in [5, 80] {
+        let text = "word ".repeat(words);
+        let ids = tok.encode(&format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"), false).unwrap();
+        assert!(ids.len() < 512, "one step's budget holds the whole prompt");
+        let steps0 = engine.stats.steps.load(Ordering::SeqCst);
+        let mut req = greedy(ids.clone(), 4);
+        req.stop_ids = vec![IM_END_ID];
+        let (_, done) = collect(&engine, req);
+        assert!(matches!(done, Event::Done { .. }), "{done:?}");
+        seen.push((
+            ids.iter().rposition(|&t| t == IM_START_ID).unwrap(),
+            engine.stats.steps.load(Ordering::SeqCst) - steps0,
+        ));
+    }
+    let [(short_start, short_steps), (long_start, long_steps)] = seen[..] else { unreachable!() };
+    assert!(short_start < 40 && long_start >= 40, "turn starts {short_start} / {long_start}");
+    assert_eq!(long_steps, short_steps + 1, "the long prompt is read in two chunks, the short one in one: {seen:?}");
 }
 
 #[test]

@@ -687,6 +687,20 @@ async fn metrics(State(st): State<Shared>) -> Response {
             "time steps waited for a mask (the part not hidden behind the forward pass)",
             get(&s.mask_wait_us) / 1e6,
         );
+        metric("engine_steps_total", "counter", "backend steps run", get(&s.steps));
+        metric(
+            "engine_step_tokens_total",
+            "counter",
+            "tokens the steps read (decodes and prompt chunks)",
+            get(&s.step_tokens),
+        );
+        metric("engine_step_seconds_total", "counter", "time the backend spent in steps", get(&s.step_us) / 1e6);
+        metric(
+            "engine_apply_seconds_total",
+            "counter",
+            "time between steps applying their results (prefix-cache snapshots included)",
+            get(&s.apply_us) / 1e6,
+        );
         metric("requests_running", "gauge", "requests being decoded", s.active.load(Ordering::Relaxed) as f64);
         let (entries, bytes) =
             (s.prefix_cache_entries.load(Ordering::Relaxed), s.prefix_cache_bytes.load(Ordering::Relaxed));
