@@ -35,7 +35,7 @@ use crate::gpu::{cfg, Gpu};
 use crate::gpu::{Experts, QMat};
 use crate::model::{DMixer, DeviceModel};
 use crate::prefill::{
-    log2_exact, moe_rows, scratch_rows, GdnDims, MoeExperts, MoeSorted, PrefillBuffers, Routes, SMEM_MAX,
+    check_dense, log2_exact, moe_rows, scratch_rows, GdnDims, MoeExperts, MoeSorted, PrefillBuffers, Routes, SMEM_MAX,
 };
 use crate::sample::SampleBatch;
 use crate::seq::{DeviceState, LState, Profile};
@@ -759,19 +759,8 @@ impl Gpu {
         ldy: usize,
         add: bool,
     ) -> Result<()> {
-        ensure!(m.bits == 4, "gemv_seqs: {}-bit weights (4-bit only)", m.bits);
-        ensure!(
-            m.cols % 32 == 0 && m.gs >= 32 && m.gs.is_power_of_two() && m.cols % m.gs == 0,
-            "gemv_seqs: {} columns, group size {} (multiples of 32)",
-            m.cols,
-            m.gs
-        );
-        ensure!((1..=MAX_SEQS).contains(&n), "gemv_seqs: {n} rows (1..={MAX_SEQS})");
-        ensure!(x.len() >= n * m.cols, "gemv_seqs: x holds {} values, {n} rows of {} needed", x.len(), m.cols);
-        ensure!(
-            ldy >= m.rows && y.len() >= (n - 1) * ldy + m.rows,
-            "gemv_seqs: y too short for {n} rows of stride {ldy}"
-        );
+        ensure!(n <= MAX_SEQS, "gemv_seqs: {n} rows (1..={MAX_SEQS})");
+        check_dense(m, x, n, y, ldy, "gemv_seqs")?;
         let smem = GV_TG * (padx_len(m.cols) + m.cols / 32) * 4;
         ensure!(smem <= SMEM_MAX, "gemv_seqs: {} columns need {smem} bytes of shared memory", m.cols);
         ensure!(m.rows.div_ceil(GV_R) <= 65535, "gemv_seqs: {} rows is over the grid limit", m.rows);

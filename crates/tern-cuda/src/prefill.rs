@@ -111,6 +111,28 @@ impl GdnDims {
     }
 }
 
+/// The shapes a dense 4-bit product over `n` bf16 rows takes (gemm_q4, gemv_seqs): 4-bit W, cols a multiple of
+/// 32, a power-of-two group size ≥ 32 dividing them; x holding n rows of cols, y n rows of stride ldy ≥ W.rows.
+pub(crate) fn check_dense(
+    m: &QMat,
+    x: &CudaSlice<u16>,
+    n: usize,
+    y: &CudaSlice<f32>,
+    ldy: usize,
+    what: &str,
+) -> Result<()> {
+    ensure!(m.bits == 4, "{what}: {}-bit weights (4-bit only)", m.bits);
+    ensure!(
+        m.cols % 32 == 0 && m.gs >= 32 && m.gs.is_power_of_two() && m.cols % m.gs == 0,
+        "{what}: cols {} / group size {} (need multiples of 32)",
+        m.cols,
+        m.gs
+    );
+    ensure!(n > 0 && x.len() >= n * m.cols, "{what}: x holds {} values, {n} rows of {} needed", x.len(), m.cols);
+    ensure!(ldy >= m.rows && y.len() >= (n - 1) * ldy + m.rows, "{what}: y too short for {n} rows of stride {ldy}");
+    Ok(())
+}
+
 impl Gpu {
     /// `y[n, r] = Σ_k x[n, k] W[r, k]` (or `+=` when `add`) for `n` token rows of bf16 `x` (`[n, W.cols]`), `y`
     /// f32 with row stride `ldy` ≥ W.rows. W 4-bit, cols a multiple of 32, group size a power of two ≥ 32.
@@ -123,18 +145,7 @@ impl Gpu {
         ldy: usize,
         add: bool,
     ) -> Result<()> {
-        ensure!(m.bits == 4, "gemm_q4: {}-bit weights (the prefill GEMM takes 4-bit only)", m.bits);
-        ensure!(
-            m.cols % 32 == 0 && m.gs >= 32,
-            "gemm_q4: cols {} / group size {} (need multiples of 32)",
-            m.cols,
-            m.gs
-        );
-        ensure!(n > 0 && x.len() >= n * m.cols, "gemm_q4: x holds {} values, {n} rows of {} needed", x.len(), m.cols);
-        ensure!(
-            ldy >= m.rows && y.len() >= (n - 1) * ldy + m.rows,
-            "gemm_q4: y too short for {n} rows of stride {ldy}"
-        );
+        check_dense(m, x, n, y, ldy, "gemm_q4")?;
         ensure!(n.div_ceil(128) <= 65535, "gemm_q4: {n} rows is over the grid limit");
         let glog = log2_exact(m.gs, "gemm_q4: group size")?;
         let f = if add { &self.f.gemm_q4_add } else { &self.f.gemm_q4_store };

@@ -93,19 +93,22 @@ fn gemm_q4_matches_cpu() {
             let y0 = rng.vec(n * ld, 1.0);
             let mut dy = g.upload(&y0).unwrap();
             g.gemm_q4(&dm, &dx, n, &mut dy, ld, true).unwrap();
-            let got2 = g.download(&dy).unwrap();
-            let mut diff = Vec::with_capacity(n * rows);
-            let mut pad_ok = true;
-            for t in 0..n {
-                for r in 0..ld {
-                    let v = got2[t * ld + r] - y0[t * ld + r];
-                    if r < rows {
-                        diff.push(v);
-                    } else {
-                        pad_ok &= v == 0.0;
+            // what an add epilogue added to each of the rows (and whether the padding past them stayed untouched)
+            let added = |got: &[f32]| {
+                let (mut diff, mut pad_ok) = (Vec::with_capacity(n * rows), true);
+                for t in 0..n {
+                    for r in 0..ld {
+                        let v = got[t * ld + r] - y0[t * ld + r];
+                        if r < rows {
+                            diff.push(v);
+                        } else {
+                            pad_ok &= v == 0.0;
+                        }
                     }
                 }
-            }
+                (diff, pad_ok)
+            };
+            let (diff, mut pad_ok) = added(&g.download(&dy).unwrap());
             let e_add = rel(&diff, &want);
             // the batched step's few-token GEMV (exact dequantisation, f32 sums): the exact product to f32 rounding
             let gemv = if n <= tern_cuda::batch::MAX_SEQS {
@@ -114,18 +117,8 @@ fn gemm_q4_matches_cpu() {
                 let e_store = rel2(&g.download(&dy).unwrap(), &exact);
                 let mut dy = g.upload(&y0).unwrap();
                 g.gemv_seqs(&dm, &dx, n, &mut dy, ld, true).unwrap();
-                let got3 = g.download(&dy).unwrap();
-                let mut diff = Vec::with_capacity(n * rows);
-                for t in 0..n {
-                    for r in 0..ld {
-                        let v = got3[t * ld + r] - y0[t * ld + r];
-                        if r < rows {
-                            diff.push(v);
-                        } else {
-                            pad_ok &= v == 0.0;
-                        }
-                    }
-                }
+                let (diff, pad) = added(&g.download(&dy).unwrap());
+                pad_ok &= pad;
                 let e_add = rel2(&diff, &exact);
                 assert!(e_store < 1e-5 && e_add < 1e-5, "gemv_seqs {rows}x{cols} N={n}: {e_store} / {e_add}");
                 format!(", gemv_seqs {e_store:.1e} add {e_add:.1e}")
