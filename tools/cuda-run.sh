@@ -6,6 +6,7 @@
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
 #   tools/cuda-run.sh serve [serve args] tern serve --backend cuda on a full-shape random checkpoint, serve_probe.py
 #   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
+#   tools/cuda-run.sh ncu [kernel regex]  Nsight Compute on the batched decode's kernels (NCU_SKIP, NCU_COUNT)
 # The environment passes through (TERN_BATCH_DECODE=0 / TERN_GPU_SAMPLING=0 turn the batched step and GPU sampling
 # off, TERN_BATCH_GRAPHS=0 its graphs; TERN_STEP_LOG=1 logs every engine step to serve.log; MAX_CONCURRENT, default 64).
 set -u
@@ -43,6 +44,18 @@ bench)
   ctx=${1:-256,4096,32768}
   shift || true
   ./.carry/tern bench --backend cuda --random-weights --config .carry/qwen --ctx "$ctx" "$@" 2>&1 | tee "$OUT/bench.txt"
+  ;;
+ncu)
+  # Nsight Compute on the batched decode's heaviest kernels, as the bench's batched table runs them: the report to
+  # $OUT/ncu.txt, clocks left alone (METHOD.md). Kernels: a regex, default the streamed MoE and the GDN step (110
+  # launches a step: 40 + 40 + 30). The table runs 96 steps per batch size (4 runs of 8 steps, 3 columns) in the
+  # order 1, 2, 4, 8, 16, 32, 64, so the default skip of 5 x 96 x 110 = 52,800 lands on B = 32.
+  kernels=${1:-moe_gate_up_seqs|moe_down_seqs|gdn_step_seqs}
+  ncu --clock-control none --kernel-name "regex:$kernels" --launch-skip ${NCU_SKIP:-52800} --launch-count ${NCU_COUNT:-6} \
+    --set full ./.carry/tern bench --backend cuda --random-weights --config .carry/qwen --ctx 256 --repeats 1 \
+    >"$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?"
+  grep -E "^  [a-z_]+seqs|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|No Eligible|One or More Eligible|Stall" "$OUT/ncu.txt" | head -120
   ;;
 serve | soak)
   # a full-shape random 4-bit checkpoint with the real tokenizer (kept in /tmp while the machine stays warm), served
