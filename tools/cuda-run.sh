@@ -6,6 +6,7 @@
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
 #   tools/cuda-run.sh serve [serve args] tern serve --backend cuda on a full-shape random checkpoint, serve_probe.py
 #   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
+#   tools/cuda-run.sh soak-start SECS [clients], then soak-wait  a soak longer than one call (two calls back to back)
 #   tools/cuda-run.sh ncu [kernel regex]  Nsight Compute on the batched decode's kernels (NCU_SKIP, NCU_COUNT)
 # The environment passes through (TERN_BATCH_DECODE=0 / TERN_GPU_SAMPLING=0 turn the batched step and GPU sampling
 # off, TERN_BATCH_GRAPHS=0 its graphs; TERN_STEP_LOG=1 logs every engine step to serve.log; MAX_CONCURRENT, default 64).
@@ -80,6 +81,22 @@ serve | soak)
   curl -s localhost:8080/metrics >"$OUT/metrics.txt"
   kill -INT $pid; sleep 2; kill -9 $pid 2>/dev/null
   grep -E "tern:|error|panic" "$OUT/serve.log" | tail -8
+  ;;
+soak-start)
+  # a soak longer than one call (at most 600 s, the server's start included): the `soak` above detached into its
+  # own session, writing to /tmp/soak-out; `soak-wait` in the next call (within the machine's 30 s of idle) waits
+  # for it and brings its files back
+  rm -rf /tmp/soak-out && mkdir -p /tmp/soak-out
+  setsid nohup bash -c "OUT=/tmp/soak-out bash tools/cuda-run.sh soak $* >/tmp/soak-out/run.txt 2>&1; touch /tmp/soak-out/done" \
+    >/dev/null 2>&1 &
+  sleep 5
+  echo "soak started in the background: $*"
+  ;;
+soak-wait)
+  for _ in $(seq "${1:-590}"); do [ -e /tmp/soak-out/done ] && break; sleep 1; done
+  [ -e /tmp/soak-out/done ] || echo "soak not finished yet (call soak-wait again)"
+  cp -r /tmp/soak-out/. "$OUT/"
+  tail -n 30 "$OUT/run.txt"
   ;;
 *)
   echo "unknown: $what" >&2
