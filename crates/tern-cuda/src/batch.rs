@@ -51,13 +51,11 @@ const RS_TG: usize = 4;
 /// Rows and tokens per block of gemv_seqs_q4 (GV_R, GV_TG in moe_seqs.cu).
 const GV_R: usize = 32;
 const GV_TG: usize = 4;
-// j per block and tokens per pass of moe_gate_up_seqs; output rows per block, rows per warp item and tokens per
-// pass of moe_down_seqs (GU_J, GU_TG, DS_RB, DS_RI, DS_TG in moe_seqs.cu)
-const GU_J: usize = 64;
-const GU_TG: usize = 4;
-const DS_RB: usize = 256;
-const DS_RI: usize = 8;
-const DS_TG: usize = 4;
+/// j per block of moe_gate_up_seqs and output rows per block of moe_down_seqs (4 warps of 2 items: 8 j or 16 rows);
+/// tokens per pass (MM_WARPS, MM_R, MM_TG in moe_seqs.cu).
+const MM_J: usize = 64;
+const MM_ROWS: usize = 128;
+const MM_TG: usize = 8;
 
 /// Length of a shared-memory vector of `n` floats padded by 4 every 32 (`padx_len` in common.cuh).
 fn padx_len(n: usize) -> usize {
@@ -111,8 +109,6 @@ pub struct SeqScratch {
     qbuf: CudaSlice<f32>,
     part: CudaSlice<f32>,
     logits: CudaSlice<f32>,
-    /// SwiGLU activations of the streamed MoE, `[MAX_SEQS * (k + 1), max(I, Is)]` f32.
-    act: CudaSlice<f32>,
     /// The multi-sequence prefill's buffers, allocated on its first use.
     multi: Option<MultiScratch>,
     /// The batched pass captured as a CUDA graph, by (rows, attention splits): every address it bakes in is one of
@@ -143,7 +139,6 @@ impl SeqScratch {
     pub fn new(m: &DeviceModel) -> Result<SeqScratch> {
         let (g, c) = (&*m.gpu, &m.config);
         let (nh, hd) = (c.num_attention_heads, c.head_dim);
-        let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
         let n = MAX_SEQS;
         let alloc = || -> Result<SeqScratch> {
             Ok(SeqScratch {
@@ -153,7 +148,6 @@ impl SeqScratch {
                 qbuf: g.zeros(n * nh * hd)?,
                 part: g.zeros(n * nh * MAX_SPLIT * (hd + 2))?,
                 logits: g.zeros(n * c.vocab_size)?,
-                act: g.zeros(n * (c.num_experts_per_tok + 1) * imax)?,
                 multi: None,
                 graphs: PassGraphs::default(),
                 graph_x: 0,
@@ -165,7 +159,7 @@ impl SeqScratch {
     /// Device bytes these buffers hold.
     pub fn bytes(&self) -> usize {
         let multi = self.multi.as_ref().map_or(0, |m| 4 * (m.proj.len() + m.last.len()) + 2 * m.xb.len());
-        4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len() + self.act.len())
+        4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len())
             + 8 * (self.tab_a.len() + self.tab_b.len())
             + multi
     }
@@ -221,7 +215,7 @@ impl DeviceModel {
             };
             ensure!(layers == self.layers.len(), "decode_seqs: routes for {layers} layers, not {}", self.layers.len());
         }
-        let (h, nkv) = (c.hidden_size, c.num_key_value_heads);
+        let nkv = c.num_key_value_heads;
         let nl = self.layers.len();
         // per-layer pointer tables, [layer][row]
         let (mut ta, mut tb) = (vec![0u64; nl * n], vec![0u64; nl * n]);
@@ -256,13 +250,7 @@ impl DeviceModel {
 
         let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         g.stream.memcpy_htod(&v, &mut sc.ids.slice_mut(..n))?;
-        // the streamed router and MoE kernels need sizes in multiples of their group sizes (powers of two >= 32), a
-        // router of at most 2,048 columns (the model's shapes); other shapes take router_rows and the GEMMs
-        let streamed = self.layers.iter().all(|l| {
-            let sizes = [h, c.moe_intermediate_size, c.shared_expert_intermediate_size];
-            let fits = |gs: usize| gs >= 32 && gs.is_power_of_two() && sizes.iter().all(|v| v % gs == 0);
-            fits(l.gate_up.gs) && fits(l.down.gs) && l.router.cols <= 2048 && l.router.gs.is_power_of_two()
-        });
+        let streamed = self.streamed_moe();
         let pass = PassShape { n, ns, streamed };
         let mut events: Vec<(&'static str, CudaEvent)> = Vec::new();
         let mut graphed = false;
@@ -388,7 +376,7 @@ impl DeviceModel {
                 }
             }
             let how = match streamed {
-                true => MoeExperts::Streamed { act: &mut sq.act },
+                true => MoeExperts::Streamed { seqs_router: true },
                 false => MoeExperts::Gemm,
             };
             let held = match routes.as_mut() {
@@ -515,7 +503,7 @@ impl DeviceModel {
                 DMixer::Attn { o, .. } => o,
             };
             g.gemm_q4(out_mat, &sc.xb, total, &mut sc.x, h, true)?;
-            moe_rows(self, li, sc, total, MoeExperts::Gemm, None, &mut no_mark)?;
+            moe_rows(self, li, sc, total, self.prefill_experts(total), None, &mut no_mark)?;
         }
         for (r, k) in chunks.iter().map(|c| c.len()).enumerate() {
             let last = starts[r] + k - 1;
@@ -604,7 +592,7 @@ impl Gpu {
     ) -> Result<()> {
         let conv_dim = d.conv_dim();
         let vd = d.hv * d.dv;
-        ensure!(d.dk <= 128 && d.dv <= 256 && d.hv % d.hk == 0 && d.taps >= 1, "gdn_step_seqs: dims");
+        ensure!(d.dk <= 128 && d.dv <= 256 && d.dv % 4 == 0 && d.hv % d.hk == 0 && d.taps >= 1, "gdn_step_seqs: dims");
         ensure!(n > 0 && n <= 65535, "gdn_step_seqs: {n} rows");
         ensure!(ldp >= conv_dim + vd + 2 * d.hv && proj.len() >= (n - 1) * ldp + ldp, "gdn_step_seqs: proj");
         ensure!(conv_w.len() == conv_dim * d.taps && a_log.len() >= d.hv && dt_bias.len() >= d.hv, "gdn_step_seqs");
@@ -616,12 +604,13 @@ impl Gpu {
         l.arg(proj).arg(&v[0]).arg(conv_w).arg(rings).arg(a_log).arg(dt_bias).arg(states).arg(&*out).arg(&v[1]);
         l.arg(posv).arg(norm).arg(&eps).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&v[6]);
         l.cluster = Some((1, chunks, 1));
-        let mut lc = cfg((d.hv as u32, chunks), 128, 0);
+        let mut lc = cfg((d.hv as u32, chunks), 128, d.dk * 32 * 4);
         lc.grid_dim.2 = n as u32;
         // SAFETY: matches gdn_step_seqs in gdn.cu; proj holds n rows of stride ldp, out n rows of hv*dv; the tables
         // hold n pointers to whole rings ([taps, conv_dim] f32) and states ([hv, dk, dv] f32) of live sequences
         // (DeviceModel::decode_seqs builds them from the sequences' own buffers); clusters of the dv/32 blocks of a
-        // head (<= 8).
+        // head (<= 8); the state slice's shared memory (dk * 32 floats, <= 16 KB) and dv % 4 == 0 (its 16-byte
+        // copies) as the kernel needs.
         unsafe { l.launch(lc) }?;
         Ok(())
     }
@@ -777,8 +766,9 @@ impl Gpu {
         Ok(())
     }
 
-    /// Streamed gate|up + SwiGLU over the expert-sorted pairs of [`Gpu::moe_align`] (few tokens per expert):
-    /// `act[p, j] = silu(G_e[j] · xn[rowmap[p]]) · (U_e[j] · xn[rowmap[p]])`, f32 `[pairs, max(I, Is)]`.
+    /// Streamed gate|up + SwiGLU over the expert-sorted pairs of [`Gpu::moe_align`] (few tokens per expert, on
+    /// tensor cores): `act[p, j] = silu(G_e[j] · xn[rowmap[p]]) · (U_e[j] · xn[rowmap[p]])`, bf16 `[pairs, max(I, Is)]`
+    /// (the prefill GEMMs' layout).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_seqs(
         &self,
@@ -788,12 +778,13 @@ impl Gpu {
         h: usize,
         xn: &CudaSlice<f32>,
         sorted: &MoeSorted,
-        act: &mut CudaSlice<f32>,
+        act: &mut CudaSlice<u16>,
     ) -> Result<()> {
         let imax = i.max(is);
         let pairs = sorted.n * (sorted.k + 1);
+        let w = mma_words(gu.gs, &[h]);
         ensure!(
-            gu.gs >= 32 && gu.gs.is_power_of_two() && h % gu.gs == 0 && i % 32 == 0 && is % 32 == 0,
+            gu.gs >= 32 && gu.gs.is_power_of_two() && h % gu.gs == 0 && i % 8 == 0 && is % 8 == 0 && i > 0 && is > 0,
             "moe_gate_up_seqs: sizes {h}/{i}/{is}, group size {}",
             gu.gs
         );
@@ -803,25 +794,26 @@ impl Gpu {
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
         let glog = log2_exact(gu.gs, "moe_gate_up_seqs: group size")? - 5;
-        ensure!(h <= 2048, "moe_gate_up_seqs: hidden size {h} (at most 2048: two chunks per lane)");
-        let smem = (GU_TG * (padx_len(h) + h / 32) * 4).next_multiple_of(128) + 8 * 2 * 4 * (h / 2);
+        let smem = mma_smem(h, w, h / gu.gs);
         ensure!(smem <= SMEM_MAX, "moe_gate_up_seqs: hidden size {h} needs {smem} bytes of shared memory");
         let (words, groups) = (gu.words as i64, gu.groups as i64);
         let v = [n_experts, i, is, h].map(|v| v as i32);
         let ld = imax as i32;
-        let mut l = self.launcher(&self.f.moe_gate_up_seqs);
+        let f = if w == 2 { &self.f.moe_gate_up_seqs_w2 } else { &self.f.moe_gate_up_seqs_w1 };
+        let mut l = self.launcher(f);
         l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
         l.arg(&glog).arg(xn).arg(&sorted.ntile).arg(&sorted.tiles).arg(&sorted.rowmap).arg(&*act).arg(&ld);
-        let grid = (imax.div_ceil(GU_J) as u32, sorted.max_tiles as u32);
-        // SAFETY: matches moe_gate_up_seqs (moe_seqs.cu); the tiles come from moe_align over `sorted`'s n, k and
-        // experts: expert ids <= n_experts (the shared one last, inside the buffer, checked), pairs < n*(k+1) rows of
-        // act, rowmap entries < n rows of xn; blocks past *ntile or the expert's rows exit; shared memory as laid
-        // out there (checked against the opt-in limit).
-        unsafe { l.launch(cfg(grid, 256, smem)) }?;
+        let grid = (imax.div_ceil(MM_J) as u32, sorted.max_tiles as u32);
+        // SAFETY: matches moe_gate_up_seqs_w{1,2} (moe_seqs.cu); the tiles come from moe_align over `sorted`'s n, k
+        // and experts: expert ids <= n_experts (the shared one last, inside the buffer, checked), pairs < n*(k+1)
+        // rows of act, rowmap entries < n rows of xn; H a multiple of 32 W and of the group size (so of 32 W), the
+        // inner sizes multiples of 8 (an item past n clamps its rows); blocks past *ntile or the expert's rows exit;
+        // shared memory as laid out there (checked against the opt-in limit).
+        unsafe { l.launch(cfg(grid, 128, smem)) }?;
         Ok(())
     }
 
-    /// Streamed down projection: `ybuf[p, r] = D_e[r] · act[p]` (f32 `[pairs, h]`; combined by
+    /// Streamed down projection (tensor cores): `ybuf[p, r] = D_e[r] · act[p]` (f32 `[pairs, h]`; combined by
     /// [`Gpu::moe_combine`]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_seqs(
@@ -830,14 +822,20 @@ impl Gpu {
         n_experts: usize,
         (i, is): (usize, usize),
         h: usize,
-        act: &CudaSlice<f32>,
+        act: &CudaSlice<u16>,
         sorted: &MoeSorted,
         ybuf: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let imax = i.max(is);
         let pairs = sorted.n * (sorted.k + 1);
+        let w = mma_words(down.gs, &[i, is]);
         ensure!(
-            down.gs >= 32 && down.gs.is_power_of_two() && h % 32 == 0 && i % down.gs == 0 && is % down.gs == 0,
+            down.gs >= 32
+                && down.gs.is_power_of_two()
+                && h % 16 == 0
+                && h >= 16
+                && i % down.gs == 0
+                && is % down.gs == 0,
             "moe_down_seqs: sizes {h}/{i}/{is}, group size {}",
             down.gs
         );
@@ -847,21 +845,42 @@ impl Gpu {
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");
         let glog = log2_exact(down.gs, "moe_down_seqs: group size")? - 5;
-        ensure!(down.groups % 8 == 0, "moe_down_seqs: expert stride of {} scales (a multiple of 8)", down.groups);
-        let slot = DS_RI * imax / 2 + 4 * DS_RI * (imax / down.gs);
-        let smem = (DS_TG * (padx_len(imax) + imax / 32) * 4).next_multiple_of(128) + 8 * 2 * slot;
+        let smem = mma_smem(imax, w, imax / down.gs);
         ensure!(smem <= SMEM_MAX, "moe_down_seqs: inner size {imax} needs {smem} bytes of shared memory");
         let (words, groups) = (down.words as i64, down.groups as i64);
         let v = [n_experts, i, is, h].map(|v| v as i32);
         let ld = imax as i32;
-        let mut l = self.launcher(&self.f.moe_down_seqs);
+        let f = if w == 2 { &self.f.moe_down_seqs_w2 } else { &self.f.moe_down_seqs_w1 };
+        let mut l = self.launcher(f);
         l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]);
         l.arg(&v[3]).arg(&glog).arg(act).arg(&ld).arg(&sorted.ntile).arg(&sorted.tiles).arg(&*ybuf);
-        let grid = (h.div_ceil(DS_RB) as u32, sorted.max_tiles as u32);
-        // SAFETY: matches moe_down_seqs (moe_seqs.cu); tiles from moe_align (see moe_gate_up_seqs): pairs < rows of
-        // act and ybuf, expert ids inside the buffer; each expert's inner size (I or Is) <= imax = act's row stride;
+        let grid = (h.div_ceil(MM_ROWS) as u32, sorted.max_tiles as u32);
+        // SAFETY: matches moe_down_seqs_w{1,2} (moe_seqs.cu); tiles from moe_align (see moe_gate_up_seqs): pairs <
+        // rows of act and ybuf, expert ids inside the buffer; each expert's inner size (I or Is) <= imax = act's row
+        // stride and a multiple of the group size (so of 32 W); h a multiple of 16 (an item past h clamps its rows);
         // shared memory sized for imax (checked against the opt-in limit).
-        unsafe { l.launch(cfg(grid, 256, smem)) }?;
+        unsafe { l.launch(cfg(grid, 128, smem)) }?;
         Ok(())
     }
+}
+
+/// Packed words per lane per k-block of the streamed expert kernels: 2 (k-blocks of 64 columns) where the group size
+/// and every inner size allow it, else 1 (32 columns).
+fn mma_words(gs: usize, ks: &[usize]) -> usize {
+    if gs % 64 == 0 && ks.iter().all(|k| k % 64 == 0) {
+        2
+    } else {
+        1
+    }
+}
+
+/// Shared memory of the streamed expert kernels for `k` columns: the staged bf16 tokens (16 bytes per 8 columns
+/// and token), their f32 sums per k-block, and the block's 128 rows of scales and biases (`ng` groups a row).
+fn mma_smem(k: usize, w: usize, ng: usize) -> usize {
+    k * 16 + k / (32 * w) * MM_TG * 4 + 2 * 128 * mma_scale_stride(ng) * 2
+}
+
+/// Row stride of the kernels' shared copy of scales (`mma_scale_stride` in moe_seqs.cu).
+fn mma_scale_stride(ng: usize) -> usize {
+    8 * (ng.div_ceil(8) | 1)
 }

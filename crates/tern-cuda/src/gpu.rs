@@ -78,7 +78,8 @@ funcs! {
     attn_combine: "attention",
     // batched decode (one token for each of B sequences): see batch.rs
     gdn_step_seqs: "gdn", attn_prep_seqs: "attention", attn_decode_kv_seqs: "attention",
-    attn_combine_seqs: "attention", moe_gate_up_seqs: "moe_seqs", moe_down_seqs: "moe_seqs",
+    attn_combine_seqs: "attention", moe_gate_up_seqs_w1: "moe_seqs", moe_gate_up_seqs_w2: "moe_seqs",
+    moe_down_seqs_w1: "moe_seqs", moe_down_seqs_w2: "moe_seqs",
     router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs", gemv_seqs_q4: "moe_seqs",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
@@ -208,6 +209,8 @@ pub struct Gpu {
     /// Bytes copied to the device by [`Gpu::upload_parts`] so far.
     pub uploaded: std::sync::atomic::AtomicUsize,
     staging: std::sync::Mutex<Option<Staging>>,
+    /// The sampler's buffers ([`Gpu::sample_download`]).
+    pub(crate) sampler: std::sync::Mutex<Option<crate::sample::SampleScratch>>,
     /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
     pub pdl: bool,
     _modules: Vec<Arc<CudaModule>>,
@@ -329,6 +332,7 @@ impl Gpu {
             sms,
             uploaded: Default::default(),
             staging: Default::default(),
+            sampler: Default::default(),
             pdl,
             _modules: modules.into_iter().map(|m| m.1).collect(),
         }))

@@ -7,8 +7,8 @@
 //! * [`sample_reference`] is the kernel's algorithm in plain Rust, step for step (the same keys, thresholds,
 //!   fixed-point masses, `exp_det`, random generator and id-order scan), for the tests: it matches
 //!   [`tern_engine::sample_host`] in distribution, and in ids on the top-k path.
-//! * [`Gpu::sample_rows`] is the checked launch; [`Gpu::sample_logits`] uploads a batch, launches, downloads and
-//!   returns the results as [`Sampled`]s.
+//! * [`Gpu::sample_download`] is the checked launch (the batch in one copy into buffers kept between draws) and
+//!   returns the raw outputs; [`Gpu::sample_logits`] returns them as [`Sampled`]s.
 //!
 //! Unlike the host sampler, non-finite parameters and logit biases are refused, at most [`MAX_TOP`] top
 //! log-probabilities are returned, NaN logits count as -inf in the log-probabilities too, ties at the last top
@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 
 use anyhow::{bail, ensure, Context, Result};
-use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tern_engine::{Sample, Sampled, TokenLogprob};
 
 use crate::gpu::{cfg, Gpu};
@@ -238,18 +238,36 @@ impl SampleBatch {
         self.rows.iter().zip(outs).map(|(row, out)| sampled(row, out)).collect()
     }
 
-    /// The arrays on the device, for [`Gpu::sample_rows`].
-    pub fn upload(&self, gpu: &Gpu) -> Result<DeviceSampleBatch> {
+    /// The arrays as the kernel reads them, in one buffer: the rows, then the penalties, biases and mask words
+    /// (each 4-byte aligned; the rows' 8-byte fields at offset 0) and the word offsets of those three.
+    fn pack(&self) -> Result<(Vec<u32>, [usize; 3])> {
         ensure!(!self.rows.is_empty(), "no rows to sample");
-        Ok(DeviceSampleBatch {
-            vocab: self.vocab,
-            len: self.rows.len(),
-            rows: gpu.upload(&self.rows)?,
-            pens: gpu.upload(&self.pens)?,
-            biases: gpu.upload(&self.biases)?,
-            masks: gpu.upload(&self.masks)?,
-        })
+        let mut words: Vec<u32> =
+            Vec::with_capacity(16 * self.rows.len() + 3 * (self.pens.len() + self.biases.len()) + self.masks.len());
+        words.extend_from_slice(as_words(&self.rows));
+        let pens = words.len();
+        words.extend_from_slice(as_words(&self.pens));
+        let biases = words.len();
+        words.extend_from_slice(as_words(&self.biases));
+        let masks = words.len();
+        words.extend_from_slice(&self.masks);
+        Ok((words, [pens, biases, masks]))
     }
+}
+
+/// The sampler's device buffers, kept between launches (allocating, filling and freeing them for every draw cost
+/// more than the kernel): the packed batch and the outputs.
+pub(crate) struct SampleScratch {
+    words: CudaSlice<u32>,
+    out: CudaSlice<SampleOut>,
+}
+
+/// The 4-byte words of a slice of the kernel's parameter structs.
+fn as_words<T: DeviceRepr>(v: &[T]) -> &[u32] {
+    const { assert!(std::mem::size_of::<T>() % 4 == 0 && std::mem::align_of::<T>() >= 4) };
+    // SAFETY: T is one of the #[repr(C)] structs above (no padding, sizes multiples of 4 and alignment >= 4,
+    // asserted): its bytes are initialised and may be read as u32 words.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u32, std::mem::size_of_val(v) / 4) }
 }
 
 /// One row's output as the engine's result: the mask's "no token" as an error, log-probabilities if asked.
@@ -268,47 +286,35 @@ pub fn sampled(row: &SampleRow, out: &SampleOut) -> Result<Sampled> {
     Ok(Sampled { token: out.token, logprob })
 }
 
-/// A [`SampleBatch`] on the device.
-pub struct DeviceSampleBatch {
-    vocab: usize,
-    len: usize,
-    rows: CudaSlice<SampleRow>,
-    pens: CudaSlice<SamplePenalty>,
-    biases: CudaSlice<SampleBias>,
-    masks: CudaSlice<u32>,
-}
-
 impl Gpu {
     /// Draw one token for each row `b < batch.len()` of `logits` (`[rows, vocab]` row-major, `vocab` = the batch's)
-    /// into `out[b]`. The rows' logits are overwritten (scratch).
-    pub fn sample_rows(
-        &self,
-        logits: &mut CudaSlice<f32>,
-        batch: &mut DeviceSampleBatch,
-        out: &mut CudaSlice<SampleOut>,
-    ) -> Result<()> {
-        let (b, vocab) = (batch.len, batch.vocab);
-        ensure!(b > 0 && b <= i32::MAX as usize, "sample_rows: {b} rows");
-        ensure!(logits.len() >= b * vocab, "sample_rows: {} logits for {b} rows of {vocab}", logits.len());
-        ensure!(out.len() >= b, "sample_rows: {} outputs for {b} rows", out.len());
-        let ld = vocab as i64;
-        let mut l = self.launcher(&self.f.sample_rows);
-        l.arg(&*logits).arg(&ld).arg(&batch.rows).arg(&batch.pens).arg(&batch.biases).arg(&batch.masks).arg(&*out);
-        // SAFETY: matches sample_rows in sample.cu (1024 threads, static shared memory); one block per row of the
-        // batch; the rows were built by SampleBatch::push for this vocab: limit <= vocab (row b reads and writes
-        // logits[b*vocab .. b*vocab + limit], inside the length checked above), the penalty, bias and mask slices
-        // inside the uploaded arrays, entry ids unique and below the limit, mask_off -1 or ceil(limit/32) words.
-        unsafe { l.launch(cfg((b as u32, 1), THREADS as u32, 0)) }?;
-        Ok(())
-    }
-
-    /// Sample every row of the batch from `logits` (overwritten), as [`Gpu::sample_rows`], and download the raw
-    /// outputs.
+    /// and download the raw outputs. The rows' logits are overwritten (scratch). The batch goes to the device in one
+    /// copy into buffers kept for the next draw (grown when a batch needs more).
     pub fn sample_download(&self, logits: &mut CudaSlice<f32>, batch: &SampleBatch) -> Result<Vec<SampleOut>> {
-        let mut dev = batch.upload(self)?;
-        let mut out = self.zeros::<SampleOut>(batch.len())?;
-        self.sample_rows(logits, &mut dev, &mut out)?;
-        self.download(&out)
+        let (b, vocab) = (batch.len(), batch.vocab);
+        let (words, [pens, biases, masks]) = batch.pack()?;
+        ensure!(b <= i32::MAX as usize, "sample_rows: {b} rows");
+        ensure!(logits.len() >= b * vocab, "sample_rows: {} logits for {b} rows of {vocab}", logits.len());
+        let mut guard = self.sampler.lock().map_err(|_| anyhow::anyhow!("sampler buffers poisoned"))?;
+        if guard.as_ref().is_none_or(|s| s.words.len() < words.len() || s.out.len() < b) {
+            let (nw, no) = (words.len().next_power_of_two().max(4096), b.next_power_of_two().max(64));
+            *guard = Some(SampleScratch { words: self.zeros(nw)?, out: self.zeros(no)? });
+        }
+        let sc = guard.as_mut().context("sampler buffers")?;
+        self.stream.memcpy_htod(&words, &mut sc.words.slice_mut(..words.len()))?;
+        let ld = vocab as i64;
+        let base = sc.words.device_ptr(&self.stream).0;
+        let [pens, biases, masks] = [pens, biases, masks].map(|w| base + 4 * w as u64);
+        let mut l = self.launcher(&self.f.sample_rows);
+        l.arg(&*logits).arg(&ld).arg(&base).arg(&pens).arg(&biases).arg(&masks).arg(&sc.out);
+        // SAFETY: matches sample_rows in sample.cu (1024 threads, static shared memory); one block per row of the
+        // batch, b <= the outputs' length (grown above); the rows were built by SampleBatch::push for this vocab:
+        // limit <= vocab (row b reads and writes logits[b*vocab .. b*vocab + limit], inside the length checked
+        // above), the penalty, bias and mask slices inside the packed arrays (copied whole into `words`, each array
+        // at its word offset, the rows at 0: 8-byte aligned), entry ids unique and below the limit, mask_off -1 or
+        // ceil(limit/32) words.
+        unsafe { l.launch(cfg((b as u32, 1), THREADS as u32, 0)) }?;
+        Ok(self.stream.clone_dtoh(&sc.out.slice(..b))?)
     }
 
     /// Sample every row of the batch from `logits` (overwritten): one result per row, in order.

@@ -366,17 +366,27 @@ fn batched_draws_match_the_sampler_on_their_rows() {
 /// A multi-sequence prefill (several prompt chunks in one pass, sequences at different positions, one empty) leaves
 /// every sequence exactly as its own prefill does: the last row's logits equal bit for bit those of the one-sequence
 /// prefill's all-positions lm_head, and the next decode steps (the batch-1 graph) give bit-identical logits; the
-/// tiny-b fixture and the full shape.
+/// tiny-b fixture and the full shape. Two sets of chunks: passes of at most `STREAM_MAX_TOKENS` (the streamed expert
+/// kernels, alone and together) and chunks each over it (the grouped GEMMs).
 #[test]
 fn multi_sequence_prefill_equals_each_prefill_alone() {
     let Some(_g) = gpu_or_skip("multi_sequence_prefill_equals_each_prefill_alone") else { return };
     let full = CudaBackend::random(&full_config(), 5, CudaOptions::with_context(512)).unwrap();
     let tiny = CudaBackend::new(&tiny_b_q4(), CudaOptions::with_context(512)).unwrap();
-    for (name, be) in [("tiny-b", &tiny), ("full shape", &full)] {
+    let small = [2usize, 65, 1, 100, 17, 64];
+    assert!(small.iter().sum::<usize>() <= tern_cuda::prefill::STREAM_MAX_TOKENS);
+    let big = [300usize, 257];
+    assert!(big.iter().all(|&b| b > tern_cuda::prefill::STREAM_MAX_TOKENS));
+    for (name, be, lens) in [
+        ("tiny-b", &tiny, &small[..]),
+        ("tiny-b", &tiny, &big),
+        ("full shape", &full, &small),
+        ("full shape", &full, &big),
+    ] {
         let m = &be.model;
         let v = m.config.vocab_size;
-        let held = [0usize, 1, 63, 64, 100, 7];
-        let chunks: Vec<Vec<u32>> = (0..6).map(|s| prompt(40 + s as u64, [2, 65, 1, 130, 17, 64][s], v)).collect();
+        let held = &[0usize, 1, 63, 64, 100, 7][..lens.len()];
+        let chunks: Vec<Vec<u32>> = (0..lens.len()).map(|s| prompt(40 + s as u64, lens[s], v)).collect();
         let (mut multi, mut alone): (Vec<DeviceState>, Vec<DeviceState>) = (Vec::new(), Vec::new());
         for (s, &h) in held.iter().enumerate() {
             let mut st = be.new_cuda_sequence().unwrap().st;
@@ -419,8 +429,7 @@ fn multi_sequence_prefill_equals_each_prefill_alone() {
             }
         }
         println!(
-            "{name}: multi-sequence prefill of {} chunks = each prefill alone, bit for bit (then 3 decode steps)",
-            chunks.len()
+            "{name}: multi-sequence prefill of chunks {lens:?} = each prefill alone, bit for bit (then 3 decode steps)"
         );
     }
 }

@@ -148,7 +148,6 @@ struct MoeBufs {
     wts: CudaSlice<f32>,
     sorted: MoeSorted,
     act: CudaSlice<u16>,
-    act32: CudaSlice<f32>,
     ybuf: CudaSlice<f32>,
 }
 
@@ -164,7 +163,6 @@ fn moe_bufs(g: &Gpu, c: &Config, n: usize) -> MoeBufs {
         wts: g.zeros(n * (k + 1)).unwrap(),
         sorted: MoeSorted::new(g, n, k, e).unwrap(),
         act: g.zeros(n * (k + 1) * imax).unwrap(),
-        act32: g.zeros(n * (k + 1) * imax).unwrap(),
         ybuf: g.zeros(n * (k + 1) * h).unwrap(),
     }
 }
@@ -256,15 +254,15 @@ fn moe_rows_match_cpu() {
                 let got: Vec<f32> = g.download(&b.x).unwrap().iter().zip(&x).map(|(a, v)| a - v).collect();
                 let want = moe(&c, &l.moe, &u, n, Some(&ids), None);
                 let (e_max, e_norm) = (rel(&got, &want), rel2(&got, &want));
-                // the streamed kernels of the batched decode step (f32 activations) on the same pairs, in their
-                // tiles of a few pairs
+                // the streamed kernels of the batched decode step (tensor cores, exact codes, bf16 activations) on
+                // the same pairs, in their tiles of a few pairs
                 let ntile_gemm = g.download(&b.sorted.ntile).unwrap()[0];
                 g.moe_align(&b.idx, n, k, e, tern_cuda::prefill::STREAM_TILE, &mut b.sorted).unwrap();
                 g.stream.memcpy_htod(&x, &mut b.x).unwrap();
                 let nan = vec![f32::NAN; n * (k + 1) * h];
                 g.stream.memcpy_htod(&nan, &mut b.ybuf).unwrap();
-                g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xn, &b.sorted, &mut b.act32).unwrap();
-                g.moe_down_seqs(&dl.down, e, sizes, h, &b.act32, &b.sorted, &mut b.ybuf).unwrap();
+                g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xn, &b.sorted, &mut b.act).unwrap();
+                g.moe_down_seqs(&dl.down, e, sizes, h, &b.act, &b.sorted, &mut b.ybuf).unwrap();
                 g.moe_combine(&b.ybuf, &b.sorted, &b.wts, h, &mut b.x).unwrap();
                 let got_s: Vec<f32> = g.download(&b.x).unwrap().iter().zip(&x).map(|(a, v)| a - v).collect();
                 let (s_max, s_norm) = (rel(&got_s, &want), rel2(&got_s, &want));
@@ -277,8 +275,8 @@ fn moe_rows_match_cpu() {
                 assert!(e_router < 1e-5, "{name} N={n}: router logits {e_router}");
                 assert!(e_router_seqs < 1e-5, "{name} N={n}: router_seqs logits {e_router_seqs}");
                 assert!(e_max < 1e-2 && e_norm < 5e-3, "{name} N={n} forced={forced}: MoE output {e_max} / {e_norm}");
-                // f32 activations and exact dequantisation: only f32 summation order differs from the CPU
-                assert!(s_max < 1e-4 && s_norm < 2e-5, "{name} N={n} forced={forced}: streamed MoE {s_max} / {s_norm}");
+                // bf16 activations as the GEMMs', but exact weights: held to the GEMMs' bf16 bounds
+                assert!(s_max < 1e-2 && s_norm < 5e-3, "{name} N={n} forced={forced}: streamed MoE {s_max} / {s_norm}");
             }
         }
     }

@@ -14,15 +14,19 @@
 // gdn_step_seqs: the same step for B sequences of a batched decode step (grid z = row r): proj row r (stride
 // ldp), ring and state of row r's sequence from the pointer tables rings[r] / states[r], position posv[r]
 // (uploaded by the host before the step, so it may be read before the dependency wait), output bf16 row r
-// (stride ldo) for the out_proj GEMM.
-#include "common.cuh"
+// (stride ldo) for the out_proj GEMM. Its state slice goes through shared memory (dk * 32 * 4 bytes, dynamic;
+// dv % 4 == 0).
+#include "mma.cuh"  // cp_async
 #include <cooperative_groups.h>
 namespace cg = cooperative_groups;
 
 #define MAXR 32  // dk <= 4 * MAXR = 128
 
 
-template <typename OutT>
+// SMEM (gdn_step_seqs): the block's state slice [dk][32] lands in dynamic shared memory by cp.async instead of in
+// registers (149 registers held 3 blocks per SM, and the batched step's 10 waves of blocks waited on their loads at
+// 18% occupancy); the rows are then read from there, twice.
+template <typename OutT, bool SMEM>
 __device__ __forceinline__ void gdn_step_body(
     const float* __restrict__ proj, const float* __restrict__ conv_w, float* __restrict__ ring,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
@@ -44,12 +48,23 @@ __device__ __forceinline__ void gdn_step_body(
     // completed before this step's second kernel starts.
     const int pos = *pos_ptr;
     float* S = state + (long)h * dk * dv;
-    float sreg[MAXR];
+    float sreg[SMEM ? 1 : MAXR];
+    extern __shared__ __align__(16) float sst[];  // SMEM: [dk][32], column j of the slice = chunk * 32 + j
+    if constexpr (SMEM) {
+        // 16-byte copies: row i, columns chunk * 32 + 4 q .. + 3 (dv % 4 == 0, checked on the host; past dv: zeros)
+        for (int idx = tid; idx < dk * 8; idx += blockDim.x) {
+            const int i = idx >> 3, q = idx & 7, c0 = chunk * 32 + 4 * q;
+            cp_async16(sst + i * 32 + 4 * q, S + (long)i * dv + min(c0, dv - 4), c0 < dv ? 16 : 0);
+        }
+        cp_async_commit();
+    } else {
 #pragma unroll
-    for (int r = 0; r < MAXR; r++) {
-        int i = warp + 4 * r;
-        sreg[r] = (i < dk && active) ? S[i * dv + col] : 0.f;
+        for (int r = 0; r < MAXR; r++) {
+            int i = warp + 4 * r;
+            sreg[r] = (i < dk && active) ? S[i * dv + col] : 0.f;
+        }
     }
+    auto srow = [&](int r) -> float& { return SMEM ? sst[(warp + 4 * r) * 32 + lane] : sreg[r]; };
     const int cur = pos % K, first = (pos + 1) % K;  // ring slot of this position, of the oldest input
     // conv over the K-1 earlier inputs of channel ch, and the weight of the current input
     auto conv_past = [&](int ch, float& wlast) {
@@ -103,12 +118,18 @@ __device__ __forceinline__ void gdn_step_body(
     __syncthreads();
     const float beta = sigmoid_f(xb);
     const float decay = __expf(-ealog * softplus_f(xa + dtb));
+    if constexpr (SMEM) {
+        cp_async_wait<0>();
+        __syncthreads();
+    }
     float m = 0.f;
 #pragma unroll
     for (int r = 0; r < MAXR; r++) {
         int i = warp + 4 * r;
-        sreg[r] *= decay;
-        if (i < dk && active) m = fmaf(sreg[r], ks[i], m);
+        if (i < dk && active) {
+            srow(r) *= decay;  // SMEM: only this thread reads or writes its rows' column
+            m = fmaf(srow(r), ks[i], m);
+        }
     }
     part[warp][lane] = m;
     __syncthreads();
@@ -119,7 +140,7 @@ __device__ __forceinline__ void gdn_step_body(
     for (int r = 0; r < MAXR; r++) {
         int i = warp + 4 * r;
         if (i < dk && active) {
-            float sv = fmaf(ks[i], delta, sreg[r]);
+            float sv = fmaf(ks[i], delta, srow(r));
             S[i * dv + col] = sv;
             o = fmaf(sv, qs[i], o);
         }
@@ -146,17 +167,17 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     float* __restrict__ out, const int* __restrict__ pos_ptr, const float* __restrict__ norm, float eps, int Hk, int Hv,
     int dk, int dv, int K) {
     KTRACE(20);
-    gdn_step_body<float>(proj, conv_w, ring, a_log, dt_bias, state, out, pos_ptr, norm, eps, Hk, Hv, dk, dv, K);
+    gdn_step_body<float, false>(proj, conv_w, ring, a_log, dt_bias, state, out, pos_ptr, norm, eps, Hk, Hv, dk, dv, K);
 }
 
-extern "C" __global__ void __launch_bounds__(128) gdn_step_seqs(
+extern "C" __global__ void __launch_bounds__(128, 8) gdn_step_seqs(
     const float* __restrict__ proj, int ldp, const float* __restrict__ conv_w,
     const unsigned long long* __restrict__ rings, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
     const unsigned long long* __restrict__ states, __nv_bfloat16* __restrict__ out, int ldo,
     const int* __restrict__ posv, const float* __restrict__ norm, float eps, int Hk, int Hv, int dk, int dv, int K) {
     KTRACE(21);
     const int r = blockIdx.z;
-    gdn_step_body<__nv_bfloat16>(proj + (long)r * ldp, conv_w, reinterpret_cast<float*>(rings[r]), a_log, dt_bias,
+    gdn_step_body<__nv_bfloat16, true>(proj + (long)r * ldp, conv_w, reinterpret_cast<float*>(rings[r]), a_log, dt_bias,
                                  reinterpret_cast<float*>(states[r]), out + (long)r * ldo, posv + r, norm, eps, Hk, Hv,
                                  dk, dv, K);
 }

@@ -1,15 +1,8 @@
-// Streamed MoE for a few tokens per expert (the batched decode step: B <= 64 tokens, so 1-4 tokens per routed
-// expert), and a dense few-token GEMV: kernels over the expert-sorted pairs and tile list of moe_align (prefill.cu)
-// that read each weight byte once from DRAM and apply it to every token routed to its expert. Every warp streams
-// its own rows through a double-buffered pair of shared-memory slots (bulk copies, TMA, on one mbarrier each: the
-// next rows are in flight while the warp computes on the current ones), against the block's GU_TG / DS_TG tokens
-// staged in shared memory (f32 activations x 2^90 for the denormal decode of common.cuh, with 32-column chunk
-// sums); more tokens than that take another pass. Dequantisation is exact (s*q + b in f32), accumulation f32, no
-// atomics (deterministic). Where the grouped tensor-core GEMMs (gemm.cu) dequantise every weight tile into shared
-// memory for a 64-token tile that holds 1-4 tokens, these do 2 instructions per weight and token. The expert
-// kernels take moe_align's tiles of STREAM_TILE (prefill.rs) pairs: an expert many tokens share (the shared expert
-// holds them all) is spread over many blocks, not looped over in one (the one block's passes were the whole
-// kernel's critical path).
+// Few-token kernels of the batched decode step (B <= 64 tokens: 1-8 tokens per routed expert): the experts over the
+// expert-sorted pairs and tile list of moe_align (prefill.cu), the router, and a dense few-token GEMV. Each reads
+// every weight byte once from DRAM and applies it to all the tokens of its tile. The expert kernels take moe_align's
+// tiles of STREAM_TILE (prefill.rs) = 8 pairs, one mma n-tile: an expert many tokens share (the shared expert holds
+// them all) is spread over many blocks rather than looped over in one. No atomics (deterministic).
 //
 // router_seqs_q{4,8} logits[t, r] = W[r] . xn[t] for the n rows of xn [n, cols] and the rows of W (the router and
 //                   the shared-expert gate, rows = E + 1): grid (rows / 16, n / 4); each block stages its 4 tokens
@@ -25,32 +18,26 @@
 //                   Bytes rows*cols/2 (+scales) + n*cols*2 per row block (L2). FLOPs 2*n*rows*cols. Measured on
 //                   the H200 at n = 32: 49 us for 2048 x 4096 (the GEMM 108), but 137 us for 12352 x 2048 (the GEMM
 //                   40: one block's staging and one round of loads, 12 waves), so only the few-row matrices use it.
-// moe_gate_up_seqs  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t, expert e) of
-//                   tile blockIdx.y (t = rowmap[p]), j in [GU_J blockIdx.x, +GU_J) of the expert's n = I (or Is for
-//                   the shared expert E); xn f32 [N, H] (the post-norm rows), act f32 [pairs, ld]. 256 threads; a
-//                   warp item is 2 j (4 rows: gate j, j+1, up j, j+1, 4 * H/2 bytes in a slot), items w, w+8, ... of
-//                   the block's GU_J / 2; scales/biases in registers (loaded while the rows are in flight; H <= 2048).
-//                   Bytes: the routed experts' gate|up rows once (+ again per extra pass) + H*4 per pair (x from L2).
-//                   FLOPs 2 * pairs * 2n * H.
-// moe_down_seqs     ybuf[p, r] = D_e[r] . act[p] for the pairs of tile blockIdx.y and rows r in [DS_RB blockIdx.x,
-//                   +DS_RB) of H; the expert's n = I (or Is) columns. A warp item is 8 rows with their scales and
-//                   biases (8 * n/2 + 2 * 8 * n/gs * 2 bytes, one slot); lanes are grouped per row (the next power
-//                   of two >= n/32 lanes, segmented shuffle sums). Bytes: the experts' down rows once + n*4 per pair.
-//                   FLOPs 2 * pairs * H * n.
-// Requirements (checked on the host): H and n multiples of 32, group size 32 << gshift, per-expert strides words /
-// groups (u32 words / scale entries; groups a multiple of 8 for down's 16-byte scale copies), row bytes multiples
-// of 16; tiles from moe_align over the same pairs.
-#include "common.cuh"
+// moe_gate_up_seqs_w{1,2}  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t,
+//                   expert e) of tile blockIdx.y (t = rowmap[p]), j in [64 blockIdx.x, +64) of the expert's n = I (or
+//                   Is for the shared expert E); xn f32 [N, H] (the post-norm rows), act bf16 [pairs, ld]. 128
+//                   threads, a warp 2 items of 8 j (16 rows: 8 gate, 8 up) on tensor cores (below); W = 2 needs a
+//                   group size and H that are multiples of 64. Bytes: the routed experts' gate|up rows (+ scales) once
+//                   per pass of 8 tokens + H*4 per pair (xn from L2) + n*2 per pair (act). FLOPs 2 * pairs * 2n * H.
+// moe_down_seqs_w{1,2}  ybuf[p, r] = D_e[r] . act[p] for the pairs of tile blockIdx.y and rows r in [128 blockIdx.x,
+//                   +128) of H; the expert's n = I (or Is) columns of act (bf16: what the mma reads, and the layout
+//                   of the prefill GEMMs' act): a warp 2 items of 16 rows. Bytes: the experts' down rows once + n*2
+//                   per pair. FLOPs 2 * pairs * H * n.
+// The expert kernels' numerics: exact 4-bit codes and f32 scale/bias arithmetic; activations rounded to bf16 (the
+// mma's operands), f32 accumulation. Requirements (checked on the host): H and n multiples of 32 W (and of 16 for
+// the item rows), group size 32 << gshift >= 32 W, per-expert strides words / groups (u32 words / scale entries);
+// tiles from moe_align over the same pairs.
+#include "mma.cuh"
 
 #define RS_R 16   // router rows per block (2 per warp)
 #define RS_TG 4   // router tokens per block
 #define GV_R 32   // gemv_seqs rows per block (4 per warp)
 #define GV_TG 4   // gemv_seqs tokens per block
-#define GU_J 64   // j per block (2 * GU_J rows: gate and up)
-#define GU_TG 4   // tokens per pass
-#define DS_RB 256 // output rows per block
-#define DS_RI 8   // rows per warp item
-#define DS_TG 4   // tokens per pass
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
@@ -86,206 +73,342 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ src, long ld, c
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_seqs(
-    const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s, const __nv_bfloat16* __restrict__ b,
-    long words, long groups, int E, int I, int Is, int H, int gshift, const float* __restrict__ xn,
-    const int* __restrict__ ntile, const int* __restrict__ tiles, const int* __restrict__ rowmap,
-    float* __restrict__ act, int ld) {
-    KTRACE(43);
-    extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ __align__(8) uint64_t bar[8][2];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nvec = H / 32, ng = H >> (gshift + 5), rowb = H / 2;
-    pdl_wait();  // the tile list comes from moe_align
-    const int t = blockIdx.y;
-    if (t >= *ntile) return;
-    const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
-    const int n = e == E ? Is : I;
-    const int j0 = blockIdx.x * GU_J;
-    if (j0 >= n || cnt <= 0) return;
-    const int items = min(GU_J, n - j0) / 2;
-    // shared memory: x [GU_TG][padx_len(H)] | sums [GU_TG][nvec] | (128-aligned) slots [8 warps][2][4 rows][rowb]
-    const int xstride = padx_len(H);
-    float* xs = reinterpret_cast<float*>(smem);
-    float* cs = xs + GU_TG * xstride;
-    unsigned char* slots = smem + (((GU_TG * (xstride + nvec)) * 4 + 127) & ~127) + warp * 8 * rowb;
-    const unsigned char* we = reinterpret_cast<const unsigned char*>(w + e * words);
-    if (lane == 0) {
-        mbar_init(&bar[warp][0], 1);
-        mbar_init(&bar[warp][1], 1);
-        mbar_fence_init();
+// ---- the expert kernels on tensor cores (moe_gate_up_seqs_w{1,2}, moe_down_seqs_w{1,2}) ----
+// A warp computes 16 weight rows x 8 tokens with mma.sync m16n8k16 (mma.cuh's fragment layouts) over k-blocks of
+// KB = 32 W columns (W = 2 where the group size and the inner sizes allow 64, else 1). The A operand is the exact
+// 4-bit code plus 128: ((w >> 4p) & 0x000F000F) | 0x43004300 is the bf16 pair (128 + q_p, 128 + q_p+4) of one
+// packed word (columns p and p + 4 of its 8), so dequantisation is one shift and one LOP3 per two weights and
+// exact; the scale and bias of the k-block's group are applied once per k-block in f32 on the accumulators:
+//   sum_k (s q_k + b) x_k = s * C + (b - 128 s) * X,   C = sum_k (128 + q_k) x_k,  X = sum_k x_k
+// (C accumulated from zero per k-block, X the sum of the bf16 activations the mma reads). Lane (g, c) (lane =
+// 4g + c) holds rows g and g + 8 of a 16-row item and, within every k-block, the W words c W + i (i < W) of each
+// row: columns 8 (c W + i) + 0..7, a group-pure k-block on every lane. The mma's k index 2c, 2c+1 / 2c+8, 2c+9 of
+// step (i, h) maps to pairs 2h / 2h+1 of word i, so the activations are staged (stage_mma) in that order: for
+// k-block kb, word i, token t and lane quad c, 16 bytes at ((kb W + i) 8 + t) 4 + c holding columns 8 (c W + i) +
+// {0,4,1,5,2,6,3,7} of token t as bf16 (one conflict-free 16-byte load per lane per word), with X per (kb, t) in
+// f32. Tokens past a tile's count are zeros. Weights come straight from global memory (8- or 4-byte loads that
+// fill whole sectors per row), PF k-blocks ahead in registers; the first PF are in flight while the block stages
+// its activations.
+#define MM_PF 6      // k-blocks in flight per warp
+#define MM_R 2       // 16-row items per warp
+#define MM_WARPS 4   // warps per block (128 threads)
+#define MM_TG 8      // tokens per pass (the mma's n)
+
+// Stage rows (rowmap[p0 + t], or p0 + t when direct; t < nt <= MM_TG) of src [*, ld] (f32 or bf16), cols columns (a multiple
+// of 32 W), into xs (the layout above; uint4 [cols / 8 * MM_TG], only the slots of tokens < nt written) and xsum
+// [cols / (32 W)][MM_TG]; every thread of the block calls it; ends with a barrier. The loads of up to 4 units per
+// thread are issued together (one round trip for up to 4 * blockDim units: a serial loop of one unit per trip
+// was most of a block's time).
+template <int W, typename T>
+__device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, const int* __restrict__ rowmap,
+                                          int p0, int nt, int cols, bool direct, uint4* xs, float* xsum) {
+    // unit u = ((kb nt + t) 4 + c) W + i: 8 columns of one token (column 8 (c W + i) of its k-block: adjacent lanes
+    // read adjacent 32 bytes); the 4 W units of one (kb, t) are adjacent lanes, and units is a multiple of 4 W, so a
+    // shuffle group is all in range or all out
+    const int units = nt * (cols / 8);
+    for (int u0 = 0; u0 < units; u0 += 4 * blockDim.x) {  // uniform trip count: the shuffles see every lane
+        // f32: two float4 of the unit's 8 columns; bf16: one uint4 (as raw words in va[k].x..w)
+        float4 va[4], vb[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int u = u0 + k * blockDim.x + threadIdx.x;
+            va[k] = vb[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (u < units) {
+                const int i = u % W, c = (u / W) & 3, t = (u / (4 * W)) % nt, kb = u / (4 * W * nt);
+                const long row = direct ? (long)(p0 + t) : (long)rowmap[p0 + t];
+                const T* p = src + row * ld + kb * 32 * W + 8 * (c * W + i);
+                if constexpr (sizeof(T) == 4) {
+                    va[k] = *reinterpret_cast<const float4*>(p);
+                    vb[k] = *reinterpret_cast<const float4*>(p + 4);
+                } else {
+                    const uint4 r = *reinterpret_cast<const uint4*>(p);
+                    va[k] = make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z),
+                                        __uint_as_float(r.w));
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int u = u0 + k * blockDim.x + threadIdx.x;
+            // bf16 pairs (x_p, x_p+4), p = 0..3, and the sum of the rounded values
+            uint4 q;
+            if constexpr (sizeof(T) == 4) {
+                q.x = pack_bf16(va[k].x, vb[k].x);
+                q.y = pack_bf16(va[k].y, vb[k].y);
+                q.z = pack_bf16(va[k].z, vb[k].z);
+                q.w = pack_bf16(va[k].w, vb[k].w);
+            } else {  // words (x0 x1) (x2 x3) (x4 x5) (x6 x7) -> (x0 x4) (x1 x5) (x2 x6) (x3 x7)
+                const uint32_t a = __float_as_uint(va[k].x), b = __float_as_uint(va[k].y);
+                const uint32_t c2 = __float_as_uint(va[k].z), d = __float_as_uint(va[k].w);
+                q.x = prmt(a, c2, 0x5410);
+                q.y = prmt(a, c2, 0x7632);
+                q.z = prmt(b, d, 0x5410);
+                q.w = prmt(b, d, 0x7632);
+            }
+            const uint32_t qs[4] = {q.x, q.y, q.z, q.w};
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) sum += __uint_as_float(qs[j] << 16) + __uint_as_float(qs[j] & 0xffff0000u);
+#pragma unroll
+            for (int o = 1; o < 4 * W; o <<= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+            if (u < units) {
+                const int i = u % W, c = (u / W) & 3, t = (u / (4 * W)) % nt, kb = u / (4 * W * nt);
+                xs[((kb * W + i) * MM_TG + t) * 4 + c] = q;
+                if ((u & (4 * W - 1)) == 0) xsum[kb * MM_TG + t] = sum;
+            }
+        }
     }
-    // item q of this warp: j = j0 + 2 (warp + 8 q); its gate rows j, j+1 and up rows n + j, n + j + 1 into slot q & 1
-    auto issue = [&](int q) {
-        const int j = j0 + 2 * (warp + 8 * q);
-        unsigned char* dst = slots + (q & 1) * 4 * rowb;
-        fence_proxy_async();  // this warp's reads of the slot's previous rows come before the copies overwrite them
-        mbar_expect_tx(&bar[warp][q & 1], 4 * rowb);
-        bulk_g2s(dst, we + (long)j * rowb, 2 * rowb, &bar[warp][q & 1]);
-        bulk_g2s(dst + 2 * rowb, we + (long)(n + j) * rowb, 2 * rowb, &bar[warp][q & 1]);
+    __syncthreads();
+}
+
+// bf16 pair (128 + q_p, 128 + q_p+4) of packed word w
+__device__ __forceinline__ uint32_t q4_pair(uint32_t w, int p) { return ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u; }
+
+// The weight loads of one k-block for this lane: W words of rows g and g + 8 of each item, the groups' scale and bias.
+template <int W>
+struct MmaBlock {
+    uint32_t w[MM_R][2][W];
+};
+
+// The rows of one lane: item r's row g at words wr[r] (already offset by this lane's c W), its scales at sr[r] in
+// the block's shared copy (biases at + bdelta); its row g + 8 at wr[r] + wstep and sr[r] + sstep.
+struct MmaRows {
+    const uint32_t* wr[MM_R];
+    const __nv_bfloat16* sr[MM_R];
+    long wstep;
+    int sstep, bdelta;
+};
+
+// Row stride (bf16) of the block's shared copy of its rows' scales and biases: 8 m >= ng with m odd, so that the
+// 8 rows g of a warp's reads fall in distinct banks and every row starts 16-byte aligned (mma_scale_stride in
+// batch.rs).
+__device__ __forceinline__ int mma_scale_stride(int ng) {
+    const int m = (ng + 7) / 8;
+    return 8 * (m | 1);
+}
+
+// Copy the scales and biases of rows [row0, row0 + nrows) of expert arrays s, b (ng groups per row) into rows
+// [lrow0, +nrows) of the block's copy ss (scales: [*][sst], biases at ss + bdelta): 16-byte cp.async where ng % 8
+// == 0 (the model's shapes), else plain loads. Every thread calls it; cp_async_wait and a barrier make it visible.
+__device__ __forceinline__ void copy_scales(const __nv_bfloat16* __restrict__ s, const __nv_bfloat16* __restrict__ b,
+                                            long base, int row0, int nrows, int ng, __nv_bfloat16* ss, int sst,
+                                            int bdelta, int lrow0) {
+    if (ng % 8 == 0) {
+        const int per = ng / 8, total = nrows * per;
+        for (int q = threadIdx.x; q < 2 * total; q += blockDim.x) {
+            const int a = q >= total, qq = q - a * total, row = qq / per, col = 8 * (qq - row * per);
+            const __nv_bfloat16* src = (a ? b : s) + base + (long)(row0 + row) * ng + col;
+            cp_async16(ss + a * bdelta + (lrow0 + row) * sst + col, src, 16);
+        }
+    } else {
+        for (int q = threadIdx.x; q < 2 * nrows * ng; q += blockDim.x) {
+            const int a = q >= nrows * ng, qq = q - a * nrows * ng, row = qq / ng, col = qq - row * ng;
+            ss[a * bdelta + (lrow0 + row) * sst + col] = (a ? b : s)[base + (long)(row0 + row) * ng + col];
+        }
+    }
+    cp_async_commit();
+}
+
+// tot[r][0..3] = (row g, tokens 2c, 2c+1), (row g + 8, tokens 2c, 2c+1) of item r: the products of the lane's rows
+// with the staged tokens, over nk k-blocks (columns of tokens >= nt are not meaningful). `stage` runs once the
+// first k-blocks are in flight (it stages xs/xsum and ends with a barrier).
+template <int W, typename Stage>
+__device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, int nt, const uint4* xs,
+                                         const float* xsum, Stage stage, float (&tot)[MM_R][4]) {
+    const int lane = threadIdx.x & 31, c = lane & 3;
+    const bool tok = (lane >> 2) < nt;  // this lane's B column is a token of the tile (else zeros)
+    MmaBlock<W> buf[MM_PF];
+    auto load = [&](MmaBlock<W>& blk, int kb) {
+#pragma unroll
+        for (int r = 0; r < MM_R; r++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint32_t* p = m.wr[r] + h * m.wstep + kb * 4 * W;
+                if (W == 2) {
+                    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+                    blk.w[r][h][0] = v.x;
+                    blk.w[r][h][W - 1] = v.y;
+                } else {
+                    blk.w[r][h][0] = __ldg(p);
+                }
+            }
     };
-    const int nq = warp < items ? (items - warp + 7) / 8 : 0;  // this warp's items
-    uint32_t phase = 0u;  // bit i: the parity slot i waits for next
-    for (int g0 = 0; g0 < cnt; g0 += GU_TG) {
-        const int nt = min(GU_TG, cnt - g0);
-        __syncthreads();  // the previous pass is done with xs and the slots (and the barrier inits are visible)
-        if (lane == 0 && nq > 0) issue(0);
-        stage_rows<GU_TG>(xn, H, rowmap, p0 + g0, nt, H, false, xs, xstride, cs);
-        __syncthreads();
-        for (int q = 0; q < nq; q++) {
-            if (lane == 0 && q + 1 < nq) issue(q + 1);
-            const int j = j0 + 2 * (warp + 8 * q);
-            // this lane's chunks u = lane, lane + 32 (nvec <= 64): scales and biases while the rows are in flight
-            float sc[2][4], bs[2][4];
 #pragma unroll
-            for (int a = 0; a < 2; a++) {
-                const int g = min(lane + 32 * a, nvec - 1) >> gshift;
+    for (int u = 0; u < MM_PF; u++)
+        if (u < nk) load(buf[u], u);
+    stage();
 #pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const long gi = e * groups + (long)((r & 1 ? n : 0) + j + (r >> 1)) * ng + g;
-                    sc[a][r] = bf(s[gi]);
-                    bs[a][r] = bf(b[gi]);
-                }
-            }
-            const uint4* rows = reinterpret_cast<const uint4*>(slots + (q & 1) * 4 * rowb);
-            mbar_wait(&bar[warp][q & 1], (phase >> (q & 1)) & 1u);
-            phase ^= 1u << (q & 1);
-            float tot[GU_TG][4];
+    for (int r = 0; r < MM_R; r++) tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f;
+    for (int kb0 = 0; kb0 < nk; kb0 += MM_PF) {
 #pragma unroll
-            for (int i = 0; i < GU_TG; i++) tot[i][0] = tot[i][1] = tot[i][2] = tot[i][3] = 0.f;
+        for (int u = 0; u < MM_PF; u++) {
+            const int kb = kb0 + u;
+            if (kb < nk) {
+                uint4 x[W];
 #pragma unroll
-            for (int a = 0; a < 2; a++) {
-                const int u = lane + 32 * a;
-                if (u < nvec) {
-                    uint4 wv[4];
+                for (int i = 0; i < W; i++) x[i] = tok ? xs[(kb * W + i) * 32 + lane] : make_uint4(0u, 0u, 0u, 0u);
+                const float2 xsm = *reinterpret_cast<const float2*>(xsum + kb * MM_TG + 2 * c);
 #pragma unroll
-                    for (int r = 0; r < 4; r++) wv[r] = rows[((r & 1) * 2 + (r >> 1)) * nvec + u];
+                for (int r = 0; r < MM_R; r++) {
+                    float cb[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                    for (int i = 0; i < GU_TG; i++)
-                        if (i < nt) chunk_dot<4, 4>(wv, xs + i * xstride + padx(u * 32), sc[a], bs[a], cs[i * nvec + u], tot[i]);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < GU_TG; i++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) tot[i][r] = warp_sum(tot[i][r]);
-            // lane 2i + c stores act of token i, j + c (tot[i][2c]: gate, tot[i][2c + 1]: up)
-            float gv = 0.f, uv = 0.f;
-#pragma unroll
-            for (int i = 0; i < GU_TG; i++)
-#pragma unroll
-                for (int c = 0; c < 2; c++)
-                    if (lane == 2 * i + c) {
-                        gv = tot[i][2 * c];
-                        uv = tot[i][2 * c + 1];
+                    for (int i = 0; i < W; i++) {
+                        const uint32_t w0 = buf[u].w[r][0][i], w1 = buf[u].w[r][1][i];
+                        const uint32_t a0[4] = {q4_pair(w0, 0), q4_pair(w1, 0), q4_pair(w0, 1), q4_pair(w1, 1)};
+                        mma_bf16(cb, a0, x[i].x, x[i].y);
+                        const uint32_t a1[4] = {q4_pair(w0, 2), q4_pair(w1, 2), q4_pair(w0, 3), q4_pair(w1, 3)};
+                        mma_bf16(cb, a1, x[i].z, x[i].w);
                     }
-            const int i = lane >> 1, c = lane & 1;
-            if (lane < 2 * GU_TG && i < nt) act[(long)(p0 + g0 + i) * ld + j + c] = silu_f(gv) * uv;
-            __syncwarp();  // every lane is done with the slot before it is refilled
+                    const __nv_bfloat16* sp = m.sr[r] + ((kb * W) >> gshift);
+                    const float s0 = bf(sp[0]), s1 = bf(sp[m.sstep]);
+                    const float b0 = fmaf(-128.f, s0, bf(sp[m.bdelta])), b1 = fmaf(-128.f, s1, bf(sp[m.bdelta + m.sstep]));
+                    tot[r][0] = fmaf(s0, cb[0], fmaf(b0, xsm.x, tot[r][0]));
+                    tot[r][1] = fmaf(s0, cb[1], fmaf(b0, xsm.y, tot[r][1]));
+                    tot[r][2] = fmaf(s1, cb[2], fmaf(b1, xsm.x, tot[r][2]));
+                    tot[r][3] = fmaf(s1, cb[3], fmaf(b1, xsm.y, tot[r][3]));
+                }
+                if (kb + MM_PF < nk) load(buf[u], kb + MM_PF);
+            }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 3) moe_down_seqs(
-    const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s, const __nv_bfloat16* __restrict__ b,
-    long words, long groups, int E, int I, int Is, int H, int gshift, const float* __restrict__ act, int ld,
-    const int* __restrict__ ntile, const int* __restrict__ tiles, float* __restrict__ ybuf) {
-    KTRACE(44);
-    extern __shared__ __align__(128) unsigned char smem[];
-    __shared__ __align__(8) uint64_t bar[8][2];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+// act[p, j] = silu(G_e[j] . xn[rowmap[p]]) * (U_e[j] . xn[rowmap[p]]): item r of warp w is j in [j0 + 8 (w R + r),
+// +8): A rows 0-7 are its gate rows, 8-15 its up rows (rows n + j), so every lane holds a gate and its up.
+template <int W>
+__device__ __forceinline__ void moe_gate_up_mma(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                                const __nv_bfloat16* __restrict__ b, long words, long groups, int E,
+                                                int I, int Is, int H, int gshift, const float* __restrict__ xn,
+                                                const int* __restrict__ ntile, const int* __restrict__ tiles,
+                                                const int* __restrict__ rowmap, __nv_bfloat16* __restrict__ act,
+                                                int ld) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    pdl_wait();  // the tile list comes from moe_align, xn from the post-norm
+    const int t = blockIdx.y;
+    if (t >= *ntile) return;
+    const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
+    const int n = e == E ? Is : I;
+    const int j0 = blockIdx.x * (MM_WARPS * MM_R * 8);
+    if (j0 >= n || cnt <= 0) return;
+    const int nk = H / (32 * W), ng = H >> (gshift + 5), rw = H / 8;
+    // shared memory: xs [H / 8 * MM_TG] uint4 | xsum [nk][MM_TG] | scales, biases [2][64 (gate) + 64 (up)][sst]
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    float* xsum = reinterpret_cast<float*>(xs + H);
+    __nv_bfloat16* ss = reinterpret_cast<__nv_bfloat16*>(xsum + nk * MM_TG);
+    const int sst = mma_scale_stride(ng), nj = min(MM_WARPS * MM_R * 8, n - j0);
+    MmaRows m;
+    m.wstep = (long)n * rw;  // the up rows
+    m.sstep = 64 * sst;
+    m.bdelta = 128 * sst;
+    copy_scales(s, b, e * groups, j0, nj, ng, ss, sst, m.bdelta, 0);
+    copy_scales(s, b, e * groups, n + j0, nj, ng, ss, sst, m.bdelta, 64);
+    int jr[MM_R];
+#pragma unroll
+    for (int r = 0; r < MM_R; r++) {
+        jr[r] = j0 + 8 * (warp * MM_R + r);
+        const int jl = min(jr[r], n - 8) + g;  // an item past n reads a valid row and stores nothing
+        m.wr[r] = w + e * words + (long)jl * rw + c * W;
+        m.sr[r] = ss + (jl - j0) * sst;
+    }
+    for (int g0 = 0; g0 < cnt; g0 += MM_TG) {
+        const int nt = min(MM_TG, cnt - g0);
+        if (g0 > 0) __syncthreads();  // the previous pass is done with xs
+        float tot[MM_R][4];
+        rows_mma<W>(m, nk, gshift, nt, xs, xsum,
+                    [&] {
+                        cp_async_wait<0>();  // the scales (made visible by stage_mma's barrier)
+                        stage_mma<W>(xn, H, rowmap, p0 + g0, nt, H, false, xs, xsum);
+                    },
+                    tot);
+#pragma unroll
+        for (int r = 0; r < MM_R; r++) {
+            if (jr[r] >= n) continue;
+            const int j = jr[r] + g;
+            if (2 * c < nt) act[(long)(p0 + g0 + 2 * c) * ld + j] = __float2bfloat16(silu_f(tot[r][0]) * tot[r][2]);
+            if (2 * c + 1 < nt)
+                act[(long)(p0 + g0 + 2 * c + 1) * ld + j] = __float2bfloat16(silu_f(tot[r][1]) * tot[r][3]);
+        }
+    }
+}
+
+// ybuf[p, r] = D_e[r] . act[p]: item q of warp w is rows [r0 + 16 (w R + q), +16) of H.
+template <int W>
+__device__ __forceinline__ void moe_down_mma(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                             const __nv_bfloat16* __restrict__ b, long words, long groups, int E,
+                                             int I, int Is, int H, int gshift, const __nv_bfloat16* __restrict__ act,
+                                             int ld,
+                                             const int* __restrict__ ntile, const int* __restrict__ tiles,
+                                             float* __restrict__ ybuf) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     pdl_wait();  // the tile list comes from moe_align, act from moe_gate_up_seqs
     const int t = blockIdx.y;
     if (t >= *ntile) return;
     const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
     const int n = e == E ? Is : I;
-    const int r0 = blockIdx.x * DS_RB;
+    const int r0 = blockIdx.x * (MM_WARPS * MM_R * 16);
     if (r0 >= H || cnt <= 0) return;
-    const int items = min(DS_RB, H - r0) / DS_RI;  // H % 32 == 0
-    const int nvec = n / 32, ng = n >> (gshift + 5), rowb = n / 2;
-    const int Imax = I > Is ? I : Is;
-    // a slot: codes [DS_RI][rowb] | scales [DS_RI][ng] bf16 | biases [DS_RI][ng] bf16 (sized for Imax)
-    const int slotb = DS_RI * (Imax / 2) + 4 * DS_RI * (Imax >> (gshift + 5));
-    // shared memory: act [DS_TG][padx_len(Imax)] | sums [DS_TG][Imax/32] | (128-aligned) slots [8 warps][2][slotb]
-    const int xstride = padx_len(n);
-    float* xs = reinterpret_cast<float*>(smem);
-    float* cs = xs + DS_TG * padx_len(Imax);
-    unsigned char* slots = smem + (((DS_TG * (padx_len(Imax) + Imax / 32)) * 4 + 127) & ~127) + warp * 2 * slotb;
-    const unsigned char* we = reinterpret_cast<const unsigned char*>(w + e * words);
-    const __nv_bfloat16* se = s + e * groups;
-    const __nv_bfloat16* be = b + e * groups;
-    if (lane == 0) {
-        mbar_init(&bar[warp][0], 1);
-        mbar_init(&bar[warp][1], 1);
-        mbar_fence_init();
+    const int nk = n / (32 * W), ng = n >> (gshift + 5), rw = n / 8;
+    // shared memory: xs [Imax / 8 * MM_TG] uint4 | xsum [Imax / (32 W)][MM_TG] | scales, biases [2][128][sst]
+    const int imax = I > Is ? I : Is;
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    float* xsum = reinterpret_cast<float*>(xs + imax);
+    __nv_bfloat16* ss = reinterpret_cast<__nv_bfloat16*>(xsum + imax / (32 * W) * MM_TG);
+    const int sst = mma_scale_stride(ng);
+    MmaRows m;
+    m.wstep = 8L * rw;  // rows g + 8
+    m.sstep = 8 * sst;
+    m.bdelta = 128 * sst;
+    copy_scales(s, b, e * groups, r0, min(MM_WARPS * MM_R * 16, H - r0), ng, ss, sst, m.bdelta, 0);
+    int rr[MM_R];
+#pragma unroll
+    for (int q = 0; q < MM_R; q++) {
+        rr[q] = r0 + 16 * (warp * MM_R + q);
+        const int rl = min(rr[q], H - 16) + g;  // an item past H reads valid rows and stores nothing
+        m.wr[q] = w + e * words + (long)rl * rw + c * W;
+        m.sr[q] = ss + (rl - r0) * sst;
     }
-    const uint32_t sbytes = DS_RI * ng * 2;  // a multiple of 16
-    auto issue = [&](int q) {
-        const int r = r0 + DS_RI * (warp + 8 * q);
-        unsigned char* dst = slots + (q & 1) * slotb;
-        fence_proxy_async();
-        mbar_expect_tx(&bar[warp][q & 1], DS_RI * rowb + 2 * sbytes);
-        bulk_g2s(dst, we + (long)r * rowb, DS_RI * rowb, &bar[warp][q & 1]);
-        bulk_g2s(dst + DS_RI * rowb, se + (long)r * ng, sbytes, &bar[warp][q & 1]);
-        bulk_g2s(dst + DS_RI * rowb + sbytes, be + (long)r * ng, sbytes, &bar[warp][q & 1]);
-    };
-    // lanes per row: the next power of two >= nvec (at most 32, then each lane takes several chunks)
-    int lpr = 1;
-    while (lpr < nvec && lpr < 32) lpr <<= 1;
-    const int rpp = 32 / lpr, sub = lane & (lpr - 1), rsub = lane / lpr;
-    const int nq = warp < items ? (items - warp + 7) / 8 : 0;
-    uint32_t phase = 0u;  // bit i: the parity slot i waits for next
-    for (int g0 = 0; g0 < cnt; g0 += DS_TG) {
-        const int nt = min(DS_TG, cnt - g0);
-        __syncthreads();
-        if (lane == 0 && nq > 0) issue(0);
-        stage_rows<DS_TG>(act, ld, nullptr, p0 + g0, nt, n, true, xs, xstride, cs);
-        __syncthreads();
-        for (int q = 0; q < nq; q++) {
-            if (lane == 0 && q + 1 < nq) issue(q + 1);
-            const unsigned char* slot = slots + (q & 1) * slotb;
-            const uint4* codes = reinterpret_cast<const uint4*>(slot);
-            const __nv_bfloat16* ss = reinterpret_cast<const __nv_bfloat16*>(slot + DS_RI * rowb);
-            const __nv_bfloat16* bb = ss + DS_RI * ng;
-            const int rbase = r0 + DS_RI * (warp + 8 * q);
-            mbar_wait(&bar[warp][q & 1], (phase >> (q & 1)) & 1u);
-            phase ^= 1u << (q & 1);
-#pragma unroll 1
-            for (int base = 0; base < DS_RI; base += rpp) {  // uniform over the warp
-                const int row = base + rsub;
-                const bool valid = row < DS_RI;
-                float d[DS_TG];
+    for (int g0 = 0; g0 < cnt; g0 += MM_TG) {
+        const int nt = min(MM_TG, cnt - g0);
+        if (g0 > 0) __syncthreads();
+        float tot[MM_R][4];
+        rows_mma<W>(m, nk, gshift, nt, xs, xsum,
+                    [&] {
+                        cp_async_wait<0>();
+                        stage_mma<W>(act, ld, nullptr, p0 + g0, nt, n, true, xs, xsum);
+                    },
+                    tot);
 #pragma unroll
-                for (int i = 0; i < DS_TG; i++) d[i] = 0.f;
-                if (valid) {
-#pragma unroll 1
-                    for (int u = sub; u < nvec; u += lpr) {
-                        const int gi = row * ng + (u >> gshift);
-                        const uint4 wq[1] = {codes[row * nvec + u]};
-                        const float sc[1] = {bf(ss[gi])}, bs[1] = {bf(bb[gi])};
+        for (int q = 0; q < MM_R; q++) {
+            if (rr[q] >= H) continue;
 #pragma unroll
-                        for (int i = 0; i < DS_TG; i++) {
-                            if (i < nt) {
-                                float acc[1] = {d[i]};
-                                chunk_dot<4, 1>(wq, xs + i * xstride + padx(u * 32), sc, bs, cs[i * nvec + u], acc);
-                                d[i] = acc[0];
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < DS_TG; i++)
-                    for (int o = lpr >> 1; o > 0; o >>= 1) d[i] += __shfl_xor_sync(FULL_MASK, d[i], o);
-                if (valid && sub == 0) {
-#pragma unroll
-                    for (int i = 0; i < DS_TG; i++)
-                        if (i < nt) ybuf[(long)(p0 + g0 + i) * H + rbase + row] = d[i];
-                }
+            for (int h = 0; h < 2; h++) {
+                const int row = rr[q] + g + 8 * h;
+                if (2 * c < nt) ybuf[(long)(p0 + g0 + 2 * c) * H + row] = tot[q][2 * h];
+                if (2 * c + 1 < nt) ybuf[(long)(p0 + g0 + 2 * c + 1) * H + row] = tot[q][2 * h + 1];
             }
-            __syncwarp();
         }
     }
 }
+
+#define MOE_MMA(W)                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128, 4) moe_gate_up_seqs_w##W(                                    \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
+        int Is, int H, int gshift, const float* xn, const int* ntile, const int* tiles, const int* rowmap,       \
+        __nv_bfloat16* act, int ld) {                                                                            \
+        KTRACE(43);                                                                                              \
+        moe_gate_up_mma<W>(w, s, b, words, groups, E, I, Is, H, gshift, xn, ntile, tiles, rowmap, act, ld);      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 4) moe_down_seqs_w##W(                                       \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
+        int Is, int H, int gshift, const __nv_bfloat16* act, int ld, const int* ntile, const int* tiles,          \
+        float* ybuf) {                                                                                           \
+        KTRACE(44);                                                                                              \
+        moe_down_mma<W>(w, s, b, words, groups, E, I, Is, H, gshift, act, ld, ntile, tiles, ybuf);               \
+    }
+MOE_MMA(1)
+MOE_MMA(2)
 
 // gemv_seqs_q4: see the contract at the top. Dynamic shared memory: x [GV_TG][padx_len(cols)] | sums [GV_TG][cols/32].
 extern "C" __global__ void __launch_bounds__(256) gemv_seqs_q4(
