@@ -5,8 +5,9 @@
 //! * [`SampleBatch`] packs a list of [`Sample`]s (masks already resolved) into the kernel's arrays: one
 //!   [`SampleRow`] per row, the penalty pairs counted from each history, the logit-bias pairs and the mask words.
 //! * [`sample_reference`] is the kernel's algorithm in plain Rust, step for step (the same keys, thresholds,
-//!   fixed-point masses, `exp_det`, random generator and id-order scan), for the tests: it matches
-//!   [`tern_engine::sample_host`] in distribution, and in ids on the top-k path.
+//!   fixed-point masses, `exp_det`, random generator and id-order scan; the top-k set by a radix select where the
+//!   kernel first tries a counting prefilter, the same set either way; the log-probabilities' f64 sums in another
+//!   order), for the tests: it matches [`tern_engine::sample_host`] in distribution, and in ids on the top-k path.
 //! * [`Gpu::sample_download`] is the checked launch (the batch in one copy into buffers kept between draws) and
 //!   returns the raw outputs; [`Gpu::sample_logits`] returns them as [`Sampled`]s.
 //!
