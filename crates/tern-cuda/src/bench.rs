@@ -7,7 +7,7 @@ use tern_model::{Config, LayerKind};
 
 use crate::gpu::{Gpu, TraceRec};
 use crate::model::DMixer;
-use crate::seq::{LState, Profile};
+use crate::seq::{step_plan, LState, Profile, StepOp};
 use crate::CudaBackend;
 
 const BW: f64 = 4.3e12;
@@ -317,88 +317,66 @@ fn graph_time(g: &Gpu, n: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f6
 fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) -> Result<()> {
     let m = &be.model;
     let (g, c) = (&*m.gpu, &m.config);
-    let eps = c.rms_norm_eps;
-    let (k, e) = (c.num_experts_per_tok, c.num_experts);
-    let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
     let n = 50;
     st.set_len(g, ctx)?;
     println!("graph-timed kernels ({n} back-to-back launches each, ctx {ctx}):");
-    let show = |name: &str, us: f64, bytes: usize| {
-        println!("  {name:<16} {us:>8.2} us {:>8.2} MB {:>6.2} TB/s", bytes as f64 / 1e6, bytes as f64 / us / 1e6);
+    // the ops of the first Gated DeltaNet layer and the first attention layer (each with its MoE), then the rest
+    let first = |kind| c.layer_types.iter().position(|t| *t == kind);
+    let (gi, ai) = (first(LayerKind::Linear), first(LayerKind::Full));
+    let shown = |op: &StepOp| match op.layer() {
+        None => !matches!(op, StepOp::Argmax),
+        Some(l) => {
+            Some(l) == gi
+                || (Some(l) == ai && !matches!(op, StepOp::RouterTopk(_) | StepOp::GateUp(_) | StepOp::Down(_)))
+        }
     };
-    let gi = c.layer_types.iter().position(|t| *t == LayerKind::Linear);
-    let ai = c.layer_types.iter().position(|t| *t == LayerKind::Full);
-    let q4 = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 4;
-    let (h, i, is) = (c.hidden_size, sizes.0, sizes.1);
-    if let Some(li) = gi {
-        let l = &m.layers[li];
-        if let (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) =
-            (&l.mixer, &mut st.layers[li])
-        {
-            let dims = (
-                c.linear_num_key_heads,
-                c.linear_num_value_heads,
-                c.linear_key_head_dim,
-                c.linear_value_head_dim,
-                c.linear_conv_kernel_dim,
-            );
-            let t = graph_time(g, n, &mut || g.gemv(proj, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false))?;
-            show("gdn_in_proj", t, proj.bytes());
-            let t = graph_time(g, n, &mut || {
-                g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, norm, eps, dims)
-            })?;
-            show("gdn_core", t, 2 * s.len() * 4);
-            let t = graph_time(g, n, &mut || g.gemv(out, &st.o, None, eps, &mut st.x, 0, true))?;
-            show("gdn_out_proj", t, out.bytes());
-        }
-        let t = graph_time(g, n, &mut || {
-            g.router_topk(
-                &l.router,
-                &st.x,
-                &l.post_norm,
-                eps,
-                k,
-                &mut st.router,
-                &mut st.counter,
-                &mut st.idx,
-                &mut st.wts,
-            )
-        })?;
-        show("moe_router_topk", t, l.router.bytes());
-        let t = graph_time(g, n, &mut || {
-            g.moe_gate_up(&l.gate_up, e, k, sizes, &st.x, &l.post_norm, eps, &mut st.act, &st.counter)
-        })?;
-        show("moe_gate_up", t, k * q4(2 * i, h) + q4(2 * is, h));
-        let t =
-            graph_time(g, n, &mut || g.moe_down(&l.down, e, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter))?;
-        show("moe_down", t, k * q4(h, i) + q4(h, is));
+    for op in step_plan(c).into_iter().filter(shown) {
+        let t = graph_time(g, n, &mut || st.launch_op(m, op))?;
+        let bytes = op_bytes(m, st, op, ctx);
+        println!("  {:<16} {t:>8.2} us {:>8.2} MB {:>6.2} TB/s", op.name(), bytes as f64 / 1e6, bytes as f64 / t / 1e6);
     }
-    if let Some(li) = ai {
-        let l = &m.layers[li];
-        if let (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) = (&l.mixer, &mut st.layers[li]) {
-            let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-            let t = graph_time(g, n, &mut || g.gemv(qkv, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false))?;
-            show("attn_qkv", t, qkv.bytes());
-            let theta = c.rope_theta as f32;
-            let t = graph_time(g, n, &mut || {
-                g.attn_prep(&st.proj, qn, kn, &st.pos, (nh, nkv, hd, c.rotary_dim), theta, eps, &mut st.qbuf, kc, vc)
-            })?;
-            show("attn_prep", t, 0);
-            let ns = st.nsplit;
-            let t =
-                graph_time(g, n, &mut || g.attn_decode(&st.qbuf, kc, vc, &st.pos, (nh, nkv, hd), ns, &mut st.part))?;
-            show("attn_decode", t, (ctx + 1) * nkv * hd * 4);
-            let t = graph_time(g, n, &mut || g.attn_combine(&st.part, &st.proj, nh, hd, ns, &mut st.o))?;
-            show("attn_combine", t, 0);
-            let t = graph_time(g, n, &mut || g.gemv(o, &st.o, None, eps, &mut st.x, 0, true))?;
-            show("attn_o_proj", t, o.bytes());
-        }
-    }
-    let t = graph_time(g, n, &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), eps, &mut st.logits, 0, false))?;
-    show("lm_head", t, m.lm_head.bytes());
-    let t = graph_time(g, n, &mut || g.embed(&m.embed, &st.tok, &mut st.x))?;
-    show("embed", t, 0);
     Ok(())
+}
+
+/// Bytes an op of the decode step must read: its weights (4-bit rows: half a byte a weight plus a scale and a bias
+/// per 64), the recurrent state read and written, the K/V rows of `ctx + 1` positions; 0 for the small ones.
+fn op_bytes(m: &crate::model::DeviceModel, st: &crate::seq::DeviceState, op: StepOp, ctx: usize) -> usize {
+    let c = &m.config;
+    let q4 = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 4;
+    let (h, i, is, k) =
+        (c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size, c.num_experts_per_tok);
+    let layer = |l: usize| m.layers.get(l);
+    match op {
+        StepOp::GdnInProj(l) | StepOp::GdnOutProj(l) | StepOp::AttnQkv(l) | StepOp::AttnOProj(l) => {
+            match layer(l).map(|l| &l.mixer) {
+                Some(DMixer::Gdn { proj, out, .. }) => {
+                    if matches!(op, StepOp::GdnInProj(_)) {
+                        proj.bytes()
+                    } else {
+                        out.bytes()
+                    }
+                }
+                Some(DMixer::Attn { qkv, o, .. }) => {
+                    if matches!(op, StepOp::AttnQkv(_)) {
+                        qkv.bytes()
+                    } else {
+                        o.bytes()
+                    }
+                }
+                None => 0,
+            }
+        }
+        StepOp::GdnCore(l) => match st.layers.get(l) {
+            Some(LState::Gdn { s, .. }) => 2 * s.len() * 4,
+            _ => 0,
+        },
+        StepOp::AttnDecode(_) => (ctx + 1) * c.num_key_value_heads * c.head_dim * 4,
+        StepOp::RouterTopk(l) => layer(l).map_or(0, |l| l.router.bytes()),
+        StepOp::GateUp(_) => k * q4(2 * i, h) + q4(2 * is, h),
+        StepOp::Down(_) => k * q4(h, i) + q4(h, is),
+        StepOp::LmHead => m.lm_head.bytes(),
+        StepOp::Embed | StepOp::AttnPrep(_) | StepOp::AttnCombine(_) | StepOp::Argmax => 0,
+    }
 }
 
 /// One traced graph step: per launch (grouped in the order their waits returned), when its first block entered,

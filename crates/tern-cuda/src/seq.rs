@@ -161,73 +161,55 @@ impl DeviceState {
         })
     }
 
-    /// Enqueue one decode step: embed tok, 40 layers, final norm + lm_head into `logits`, tok = argmax,
-    /// pos += 1. With `prof`, every op is bracketed by events and the stream synchronised (no graph).
+    /// Enqueue one decode step: the ops of [`step_plan`] in order (embed tok, 40 layers, final norm + lm_head into
+    /// `logits`, tok = argmax, pos += 1). With `prof`, every op is bracketed by events (no graph).
     pub fn enqueue_step(&mut self, m: &DeviceModel, mut prof: Option<&mut Profile>) -> Result<()> {
-        let (g, c) = (&*m.gpu, &m.config);
-        let eps = c.rms_norm_eps;
-        let st = self;
-        let mut timed = |name: &str, f: &mut dyn FnMut() -> Result<()>| -> Result<()> {
+        let g = &*m.gpu;
+        let (k, e) = (m.config.num_experts_per_tok, m.config.num_experts);
+        ensure!(m.layers.iter().all(|l| l.router.rows == e + 1), "router rows != num_experts + 1");
+        ensure!(
+            m.config.layer_types.len() == m.layers.len() && self.layers.len() == m.layers.len(),
+            "the step's layers: {} kinds, {} on the device, {} states",
+            m.config.layer_types.len(),
+            m.layers.len(),
+            self.layers.len()
+        );
+        for op in step_plan(&m.config) {
             match prof.as_deref_mut() {
-                None => f(),
+                None => self.launch_op(m, op)?,
                 Some(p) => {
                     let fl = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
                     let a = g.stream.record_event(fl)?;
-                    f()?;
+                    self.launch_op(m, op)?;
                     let b = g.stream.record_event(fl)?;
-                    p.add(name, a.elapsed_ms(&b)? as f64);
-                    Ok(())
+                    p.add(op.name(), a.elapsed_ms(&b)? as f64);
                 }
             }
-        };
-        timed("embed", &mut || g.embed(&m.embed, &st.tok, &mut st.x))?;
+            if let (StepOp::RouterTopk(li), Some(log)) = (op, self.route_log.as_mut()) {
+                g.stream.memcpy_dtod(&self.idx.slice(..k + 1), &mut log.slice_mut(li * (k + 1)..(li + 1) * (k + 1)))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Launch one op of the decode step on this state (the step's kernels, one place: [`enqueue_step`] and the
+    /// bench's per-kernel timings both launch through here).
+    ///
+    /// [`enqueue_step`]: DeviceState::enqueue_step
+    pub fn launch_op(&mut self, m: &DeviceModel, op: StepOp) -> Result<()> {
+        let (g, c) = (&*m.gpu, &m.config);
+        let eps = c.rms_norm_eps;
         let (k, e) = (c.num_experts_per_tok, c.num_experts);
-        ensure!(m.layers.iter().all(|l| l.router.rows == e + 1), "router rows != num_experts + 1");
         let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
-        for (li, (l, ls)) in m.layers.iter().zip(st.layers.iter_mut()).enumerate() {
-            match (&l.mixer, ls) {
-                (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) => {
-                    let dims = (
-                        c.linear_num_key_heads,
-                        c.linear_num_value_heads,
-                        c.linear_key_head_dim,
-                        c.linear_value_head_dim,
-                        c.linear_conv_kernel_dim,
-                    );
-                    timed("gdn_in_proj", &mut || g.gemv(proj, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false))?;
-                    timed("gdn_core", &mut || {
-                        g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, norm, eps, dims)
-                    })?;
-                    timed("gdn_out_proj", &mut || g.gemv(out, &st.o, None, eps, &mut st.x, 0, true))?;
-                }
-                (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) => {
-                    let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                    timed("attn_qkv", &mut || g.gemv(qkv, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false))?;
-                    let theta = c.rope_theta as f32;
-                    timed("attn_prep", &mut || {
-                        g.attn_prep(
-                            &st.proj,
-                            qn,
-                            kn,
-                            &st.pos,
-                            (nh, nkv, hd, c.rotary_dim),
-                            theta,
-                            eps,
-                            &mut st.qbuf,
-                            kc,
-                            vc,
-                        )
-                    })?;
-                    let ns = st.nsplit;
-                    timed("attn_decode", &mut || {
-                        g.attn_decode(&st.qbuf, kc, vc, &st.pos, (nh, nkv, hd), ns, &mut st.part)
-                    })?;
-                    timed("attn_combine", &mut || g.attn_combine(&st.part, &st.proj, nh, hd, ns, &mut st.o))?;
-                    timed("attn_o_proj", &mut || g.gemv(o, &st.o, None, eps, &mut st.x, 0, true))?;
-                }
-                _ => unreachable!("state follows the model's layer kinds"),
-            }
-            timed("moe_router_topk", &mut || {
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let st = self;
+        let layer = |li: usize| m.layers.get(li).with_context(|| format!("step op {op:?}: no layer {li}"));
+        match op {
+            StepOp::Embed => g.embed(&m.embed, &st.tok, &mut st.x),
+            StepOp::LmHead => g.gemv(&m.lm_head, &st.x, Some(&m.norm), eps, &mut st.logits, 0, false),
+            StepOp::Argmax => g.argmax(&st.logits, &mut st.apv, &mut st.api, &mut st.tok, &mut st.pos),
+            StepOp::RouterTopk(li) => {
+                let l = layer(li)?;
                 g.router_topk(
                     &l.router,
                     &st.x,
@@ -239,18 +221,68 @@ impl DeviceState {
                     &mut st.idx,
                     &mut st.wts,
                 )
-            })?;
-            if let Some(log) = st.route_log.as_mut() {
-                g.stream.memcpy_dtod(&st.idx.slice(..k + 1), &mut log.slice_mut(li * (k + 1)..(li + 1) * (k + 1)))?;
             }
-            timed("moe_gate_up", &mut || {
+            StepOp::GateUp(li) => {
+                let l = layer(li)?;
                 g.moe_gate_up(&l.gate_up, e, k, sizes, &st.x, &l.post_norm, eps, &mut st.act, &st.counter)
-            })?;
-            timed("moe_down", &mut || g.moe_down(&l.down, e, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter))?;
+            }
+            StepOp::Down(li) => {
+                let l = layer(li)?;
+                g.moe_down(&l.down, e, &st.wts, k, sizes, &st.act, &mut st.x, &mut st.counter)
+            }
+            StepOp::GdnInProj(li) | StepOp::GdnCore(li) | StepOp::GdnOutProj(li) => {
+                let l = layer(li)?;
+                let ls = st.layers.get_mut(li).with_context(|| format!("step op {op:?}: no state"))?;
+                let (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) = (&l.mixer, ls)
+                else {
+                    anyhow::bail!("step op {op:?}: layer {li} is not a Gated DeltaNet layer");
+                };
+                match op {
+                    StepOp::GdnInProj(_) => g.gemv(proj, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false),
+                    StepOp::GdnCore(_) => {
+                        let dims = (
+                            c.linear_num_key_heads,
+                            c.linear_num_value_heads,
+                            c.linear_key_head_dim,
+                            c.linear_value_head_dim,
+                            c.linear_conv_kernel_dim,
+                        );
+                        g.gdn_step(&st.proj, conv, ring, a_log, dt_bias, s, &mut st.o, &st.pos, norm, eps, dims)
+                    }
+                    _ => g.gemv(out, &st.o, None, eps, &mut st.x, 0, true),
+                }
+            }
+            StepOp::AttnQkv(li)
+            | StepOp::AttnPrep(li)
+            | StepOp::AttnDecode(li)
+            | StepOp::AttnCombine(li)
+            | StepOp::AttnOProj(li) => {
+                let l = layer(li)?;
+                let ls = st.layers.get_mut(li).with_context(|| format!("step op {op:?}: no state"))?;
+                let (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) = (&l.mixer, ls) else {
+                    anyhow::bail!("step op {op:?}: layer {li} is not an attention layer");
+                };
+                let ns = st.nsplit;
+                match op {
+                    StepOp::AttnQkv(_) => g.gemv(qkv, &st.x, Some(&l.in_norm), eps, &mut st.proj, 0, false),
+                    StepOp::AttnPrep(_) => g.attn_prep(
+                        &st.proj,
+                        qn,
+                        kn,
+                        &st.pos,
+                        (nh, nkv, hd, c.rotary_dim),
+                        c.rope_theta as f32,
+                        eps,
+                        &mut st.qbuf,
+                        kc,
+                        vc,
+                    ),
+                    StepOp::AttnDecode(_) => g.attn_decode(&st.qbuf, kc, vc, &st.pos, (nh, nkv, hd), ns, &mut st.part),
+                    StepOp::AttnCombine(_) => g.attn_combine(&st.part, &st.proj, nh, hd, ns, &mut st.o),
+                    _ => g.gemv(o, &st.o, None, eps, &mut st.x, 0, true),
+                }
+            }
         }
-        timed("lm_head", &mut || g.gemv(&m.lm_head, &st.x, Some(&m.norm), eps, &mut st.logits, 0, false))?;
-        timed("argmax", &mut || g.argmax(&st.logits, &mut st.apv, &mut st.api, &mut st.tok, &mut st.pos))?;
-        Ok(())
     }
 
     /// Capture the step in a CUDA graph (once) and replay it.
@@ -420,5 +452,136 @@ impl CudaSequence {
     pub fn forward_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
         self.read(ids)?;
         self.model.gpu.download(&self.st.logits)
+    }
+}
+
+/// One op of the batch-1 decode step: the step as data. [`step_plan`] lists them in launch order; the CUDA graph's
+/// capture, the per-family profile and `tern bench`'s per-kernel timings all launch from that list
+/// ([`DeviceState::launch_op`]), so none of them re-types the step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepOp {
+    Embed,
+    GdnInProj(usize),
+    GdnCore(usize),
+    GdnOutProj(usize),
+    AttnQkv(usize),
+    AttnPrep(usize),
+    AttnDecode(usize),
+    AttnCombine(usize),
+    AttnOProj(usize),
+    RouterTopk(usize),
+    GateUp(usize),
+    Down(usize),
+    LmHead,
+    Argmax,
+}
+
+impl StepOp {
+    /// The op's family, as the profile and the timings name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            StepOp::Embed => "embed",
+            StepOp::GdnInProj(_) => "gdn_in_proj",
+            StepOp::GdnCore(_) => "gdn_core",
+            StepOp::GdnOutProj(_) => "gdn_out_proj",
+            StepOp::AttnQkv(_) => "attn_qkv",
+            StepOp::AttnPrep(_) => "attn_prep",
+            StepOp::AttnDecode(_) => "attn_decode",
+            StepOp::AttnCombine(_) => "attn_combine",
+            StepOp::AttnOProj(_) => "attn_o_proj",
+            StepOp::RouterTopk(_) => "moe_router_topk",
+            StepOp::GateUp(_) => "moe_gate_up",
+            StepOp::Down(_) => "moe_down",
+            StepOp::LmHead => "lm_head",
+            StepOp::Argmax => "argmax",
+        }
+    }
+
+    /// The layer the op belongs to (none for the embedding, the lm_head and the argmax).
+    pub fn layer(self) -> Option<usize> {
+        match self {
+            StepOp::Embed | StepOp::LmHead | StepOp::Argmax => None,
+            StepOp::GdnInProj(l)
+            | StepOp::GdnCore(l)
+            | StepOp::GdnOutProj(l)
+            | StepOp::AttnQkv(l)
+            | StepOp::AttnPrep(l)
+            | StepOp::AttnDecode(l)
+            | StepOp::AttnCombine(l)
+            | StepOp::AttnOProj(l)
+            | StepOp::RouterTopk(l)
+            | StepOp::GateUp(l)
+            | StepOp::Down(l) => Some(l),
+        }
+    }
+}
+
+/// The batch-1 decode step's ops in launch order for a model of this config: the embedding, per layer its mixer
+/// (Gated DeltaNet: in_proj, core, out_proj; attention: q|k|v, prep, decode, combine, o_proj) and its MoE (router +
+/// top-k, gate|up, down), then the lm_head and the argmax.
+pub fn step_plan(c: &Config) -> Vec<StepOp> {
+    use tern_model::LayerKind;
+    let mut ops = vec![StepOp::Embed];
+    for (li, kind) in c.layer_types.iter().enumerate() {
+        match kind {
+            LayerKind::Linear => ops.extend([StepOp::GdnInProj(li), StepOp::GdnCore(li), StepOp::GdnOutProj(li)]),
+            LayerKind::Full => ops.extend([
+                StepOp::AttnQkv(li),
+                StepOp::AttnPrep(li),
+                StepOp::AttnDecode(li),
+                StepOp::AttnCombine(li),
+                StepOp::AttnOProj(li),
+            ]),
+        }
+        ops.extend([StepOp::RouterTopk(li), StepOp::GateUp(li), StepOp::Down(li)]);
+    }
+    ops.extend([StepOp::LmHead, StepOp::Argmax]);
+    ops
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tern_model::LayerKind;
+
+    /// The plan holds every layer's ops once, in launch order, with the layer each belongs to.
+    #[test]
+    fn step_plan_lists_every_layers_ops_in_launch_order() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-b");
+        let mut c = Config::from_dir(&dir).unwrap();
+        c.layer_types = vec![LayerKind::Linear, LayerKind::Full, LayerKind::Linear];
+        let plan = step_plan(&c);
+        use StepOp::*;
+        let want = vec![
+            Embed,
+            GdnInProj(0),
+            GdnCore(0),
+            GdnOutProj(0),
+            RouterTopk(0),
+            GateUp(0),
+            Down(0),
+            AttnQkv(1),
+            AttnPrep(1),
+            AttnDecode(1),
+            AttnCombine(1),
+            AttnOProj(1),
+            RouterTopk(1),
+            GateUp(1),
+            Down(1),
+            GdnInProj(2),
+            GdnCore(2),
+            GdnOutProj(2),
+            RouterTopk(2),
+            GateUp(2),
+            Down(2),
+            LmHead,
+            Argmax,
+        ];
+        assert_eq!(plan, want);
+        assert_eq!(plan.iter().filter(|o| o.layer().is_none()).count(), 3);
+        assert_eq!(plan.iter().map(|o| o.name()).filter(|n| *n == "moe_gate_up").count(), 3);
+        // the real model: 30 Gated DeltaNet and 10 attention layers
+        c.layer_types = (0..40).map(|i| if i % 4 == 3 { LayerKind::Full } else { LayerKind::Linear }).collect();
+        assert_eq!(step_plan(&c).len(), 1 + 30 * 6 + 10 * 8 + 2);
     }
 }
