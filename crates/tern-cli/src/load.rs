@@ -51,10 +51,34 @@ pub fn load_model(model: &str, backend: &str, ctx: usize) -> Result<Model> {
             bytes / 1e9,
             bytes / 1e9 / secs.max(1e-9)
         );
+        eprintln!("tern: {}", capacity_line(&be, ctx));
         Model::with_backend(&dir, Arc::new(tern_cuda::CudaSlots::new(be)))?
     } else {
         Model::load_cpu(&dir)?
     };
     eprintln!("tern: {} on {}", dir.display(), model.backend.name());
     Ok(model)
+}
+
+/// What a sequence holds on the GPU at the context size, and how many fit in the memory free after the weights
+/// (the startup log's sizing line; the prefill buffers and the prefix cache come out of the same memory).
+fn capacity_line(be: &tern_cuda::CudaBackend, ctx: usize) -> String {
+    let b = tern_cuda::DeviceState::bytes_at(&be.model, ctx);
+    let mb = |v: usize| v as f64 / 1e6;
+    let per = format!(
+        "a sequence of up to {ctx} tokens holds {:.0} MB on the GPU (KV cache {:.0} MB, Gated DeltaNet state {:.0} \
+         MB, step buffers {:.0} MB)",
+        mb(b.total()),
+        mb(b.kv),
+        mb(b.gdn),
+        mb(b.step)
+    );
+    match be.model.gpu.ctx.mem_get_info() {
+        Ok((free, _)) => format!(
+            "{per}; {:.1} GB free: room for about {} (less the prefill buffers and the prefix cache)",
+            free as f64 / 1e9,
+            free / b.total().max(1)
+        ),
+        Err(_) => per,
+    }
 }

@@ -25,7 +25,7 @@ use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, Want
 
 use crate::batch::{Draw, RowWant, MAX_SEQS};
 use crate::sample::SampleBatch;
-use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState, LState};
+use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState};
 
 /// The CUDA backend behind the engine's seam (interim: one [`DeviceState`] per sequence, see the module doc).
 pub struct CudaSlots {
@@ -71,7 +71,7 @@ impl CudaSlots {
         let others = (!t.is_empty()).then(|| t.reserved_bytes() / t.len());
         match seq {
             Ok(s) => {
-                let bytes = device_bytes(&s.st);
+                let bytes = s.st.bytes();
                 Ok(t.insert(s, tokens, bytes))
             }
             Err(e) => Err(self.no_room(e, tokens, others)),
@@ -120,24 +120,6 @@ fn device_argmax(seq: &CudaSequence, limit: usize) -> Result<u32> {
     let logits = g.download(&seq.st.logits)?;
     let l = &logits[..limit.min(logits.len())];
     Ok(l.iter().enumerate().fold(0, |b, (i, &v)| if v > l[b] { i } else { b }) as u32)
-}
-
-/// Device bytes of one sequence's state, scratch included.
-fn device_bytes(st: &DeviceState) -> usize {
-    let layers: usize = st
-        .layers
-        .iter()
-        .map(|l| match l {
-            LState::Attn { k, v } => k.num_bytes() + v.num_bytes(),
-            LState::Gdn { ring, s } => ring.num_bytes() + s.num_bytes(),
-        })
-        .sum();
-    let f32s = [&st.x, &st.proj, &st.o, &st.qbuf, &st.part, &st.act, &st.router, &st.wts, &st.logits, &st.apv];
-    let i32s = [&st.pos, &st.tok, &st.idx, &st.api];
-    layers
-        + f32s.iter().map(|b| b.num_bytes()).sum::<usize>()
-        + i32s.iter().map(|b| b.num_bytes()).sum::<usize>()
-        + st.counter.num_bytes()
 }
 
 impl Backend for CudaSlots {

@@ -66,54 +66,134 @@ impl Profile {
     }
 }
 
-impl DeviceState {
-    pub fn new(m: &DeviceModel, max_ctx: usize) -> Result<DeviceState> {
-        let (g, c) = (&*m.gpu, &m.config);
-        let h = c.hidden_size;
-        let mut proj_rows = 0;
-        let mut layers = Vec::new();
-        for l in &m.layers {
-            match &l.mixer {
-                DMixer::Attn { qkv, .. } => {
-                    proj_rows = proj_rows.max(qkv.rows);
-                    let n = max_ctx * c.num_key_value_heads * c.head_dim;
-                    layers.push(LState::Attn { k: g.zeros(n)?, v: g.zeros(n)? });
-                }
-                DMixer::Gdn { proj, .. } => {
-                    proj_rows = proj_rows.max(proj.rows);
-                    let s = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
-                    layers.push(LState::Gdn {
-                        ring: g.zeros(c.linear_conv_kernel_dim * c.linear_conv_dim())?,
-                        s: g.zeros(s)?,
-                    });
-                }
-            }
-        }
+/// Element counts of one sequence's device buffers at a capacity of `max_ctx` tokens: what [`DeviceState::new`]
+/// allocates, and what [`DeviceState::bytes_at`] adds up without allocating.
+struct StateLens {
+    /// K (and V) of one attention layer, bf16.
+    kv: usize,
+    /// Conv ring and recurrent state of one Gated DeltaNet layer, f32.
+    ring: usize,
+    s: usize,
+    nsplit: usize,
+    h: usize,
+    proj: usize,
+    o: usize,
+    qbuf: usize,
+    part: usize,
+    act: usize,
+    router: usize,
+    k1: usize,
+    logits: usize,
+    nb: usize,
+}
+
+impl StateLens {
+    fn of(m: &DeviceModel, max_ctx: usize) -> StateLens {
+        let c = &m.config;
+        let proj = (m.layers.iter())
+            .map(|l| match &l.mixer {
+                DMixer::Attn { qkv, .. } => qkv.rows,
+                DMixer::Gdn { proj, .. } => proj.rows,
+            })
+            .max()
+            .unwrap_or(0);
         // flash-decoding splits: at most 128 per kv head, so that the long-context grid (2 kv heads x 128 splits)
         // is one wave of attn_decode_kv (2 blocks per SM at 231 registers; 256 splits took two waves: 497 vs 527
         // tok/s at ctx 32,768); short contexts use fewer (at least 16 keys per split, the rest empty)
         let nsplit = (max_ctx / 16).clamp(1, 128);
-        let k = c.num_experts_per_tok;
-        let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
-        let nb = g.argmax_blocks();
+        StateLens {
+            kv: max_ctx * c.num_key_value_heads * c.head_dim,
+            ring: c.linear_conv_kernel_dim * c.linear_conv_dim(),
+            s: c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
+            nsplit,
+            h: c.hidden_size,
+            proj,
+            o: (c.num_attention_heads * c.head_dim).max(c.linear_value_dim()),
+            qbuf: c.num_attention_heads * c.head_dim,
+            part: c.num_attention_heads * nsplit * (c.head_dim + 2),
+            act: (c.num_experts_per_tok + 1) * c.moe_intermediate_size.max(c.shared_expert_intermediate_size),
+            router: c.num_experts + 1,
+            k1: c.num_experts_per_tok + 1,
+            logits: c.vocab_size,
+            nb: m.gpu.argmax_blocks(),
+        }
+    }
+}
+
+/// One sequence's device memory by part (see [`DeviceState::bytes_at`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateBytes {
+    /// The attention layers' K and V caches.
+    pub kv: usize,
+    /// The Gated DeltaNet layers' conv rings and recurrent states.
+    pub gdn: usize,
+    /// The step's own activations, logits and counters.
+    pub step: usize,
+}
+
+impl StateBytes {
+    pub fn total(&self) -> usize {
+        self.kv + self.gdn + self.step
+    }
+}
+
+impl DeviceState {
+    /// The device memory a sequence of capacity `max_ctx` takes ([`DeviceState::new`]'s buffers, added up without
+    /// allocating them; [`DeviceState::bytes`] of a live one is the same total).
+    pub fn bytes_at(m: &DeviceModel, max_ctx: usize) -> StateBytes {
+        let n = StateLens::of(m, max_ctx);
+        let attn = m.layers.iter().filter(|l| matches!(l.mixer, DMixer::Attn { .. })).count();
+        let f32s = n.h + n.proj + n.o + n.qbuf + n.part + n.act + n.router + n.k1 + n.logits + n.nb;
+        let i32s = 1 + 1 + n.k1 + n.nb;
+        StateBytes {
+            kv: attn * 2 * n.kv * 2,
+            gdn: (m.layers.len() - attn) * (n.ring + n.s) * 4,
+            step: 4 * (f32s + i32s + crate::gpu::MOE_COUNTER_LEN),
+        }
+    }
+
+    /// The device memory this sequence holds.
+    pub fn bytes(&self) -> usize {
+        let layers: usize = (self.layers.iter())
+            .map(|l| match l {
+                LState::Attn { k, v } => k.num_bytes() + v.num_bytes(),
+                LState::Gdn { ring, s } => ring.num_bytes() + s.num_bytes(),
+            })
+            .sum();
+        let f32s = [&self.x, &self.proj, &self.o, &self.qbuf, &self.part, &self.act, &self.router, &self.wts];
+        let f32s = f32s.iter().chain([&&self.logits, &&self.apv]).map(|b| b.num_bytes()).sum::<usize>();
+        let i32s = [&self.pos, &self.tok, &self.idx, &self.api].iter().map(|b| b.num_bytes()).sum::<usize>();
+        layers + f32s + i32s + self.counter.num_bytes()
+    }
+
+    pub fn new(m: &DeviceModel, max_ctx: usize) -> Result<DeviceState> {
+        let g = &*m.gpu;
+        let n = StateLens::of(m, max_ctx);
+        let mut layers = Vec::new();
+        for l in &m.layers {
+            match &l.mixer {
+                DMixer::Attn { .. } => layers.push(LState::Attn { k: g.zeros(n.kv)?, v: g.zeros(n.kv)? }),
+                DMixer::Gdn { .. } => layers.push(LState::Gdn { ring: g.zeros(n.ring)?, s: g.zeros(n.s)? }),
+            }
+        }
         Ok(DeviceState {
             max_ctx,
-            nsplit,
+            nsplit: n.nsplit,
             len: 0,
             pos: g.zeros(1)?,
             tok: g.zeros(1)?,
-            x: g.zeros(h)?,
-            proj: g.zeros(proj_rows)?,
-            o: g.zeros((c.num_attention_heads * c.head_dim).max(c.linear_value_dim()))?,
-            qbuf: g.zeros(c.num_attention_heads * c.head_dim)?,
-            part: g.zeros(c.num_attention_heads * nsplit * (c.head_dim + 2))?,
-            act: g.zeros((k + 1) * imax)?,
-            router: g.zeros(c.num_experts + 1)?,
-            idx: g.zeros(k + 1)?,
-            wts: g.zeros(k + 1)?,
-            logits: g.zeros(c.vocab_size)?,
-            apv: g.zeros(nb)?,
-            api: g.zeros(nb)?,
+            x: g.zeros(n.h)?,
+            proj: g.zeros(n.proj)?,
+            o: g.zeros(n.o)?,
+            qbuf: g.zeros(n.qbuf)?,
+            part: g.zeros(n.part)?,
+            act: g.zeros(n.act)?,
+            router: g.zeros(n.router)?,
+            idx: g.zeros(n.k1)?,
+            wts: g.zeros(n.k1)?,
+            logits: g.zeros(n.logits)?,
+            apv: g.zeros(n.nb)?,
+            api: g.zeros(n.nb)?,
             counter: g.zeros(crate::gpu::MOE_COUNTER_LEN)?,
             layers,
             pos_stale: false,

@@ -193,6 +193,9 @@ fn allocation_on_a_full_gpu_is_an_error_not_a_panic() {
     let again = b.alloc(16).unwrap();
     assert!(matches!(step1(&b, again, &[4], Want::Nothing), Output::Nothing));
     assert!(matches!(b.alloc(1 << 21), Err(AllocError::TooLarge { .. })));
+    // the startup log's sizing: a live sequence holds what DeviceState::bytes_at adds up
+    let want = tern_cuda::DeviceState::bytes_at(&b.cuda.model, 1 << 20).total();
+    assert_eq!(b.state_bytes(again), want, "a sequence's device bytes vs DeviceState::bytes_at");
 }
 
 /// Constrained decoding on the CUDA backend (the interim one: the logits row comes to the host and the mask is
