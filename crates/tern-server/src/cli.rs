@@ -32,8 +32,8 @@ pub struct Args {
     #[arg(long, default_value_t = 32768)]
     pub ctx_size: usize,
     /// Sequences decoded at once, at most (admission is also by free memory: a request that does not fit waits
-    /// for running ones to finish). On CUDA each reserves its context's KV cache (~20 KB a token) and 126 MB of
-    /// recurrent state.
+    /// for running ones to finish). On CUDA each reserves its context's KV cache (~20 KB a token) and 67 MB of
+    /// recurrent state (the startup log says what one holds and how many fit).
     #[arg(long, default_value_t = 64)]
     pub max_concurrent: usize,
     /// Requests waiting beyond the running ones before the server answers 503 (0: none wait).
@@ -44,6 +44,10 @@ pub struct Args {
     /// backend's choice (512 on the CPU, the prefill chunk of 4,096 on CUDA).
     #[arg(long, default_value_t = 0)]
     pub step_tokens: usize,
+    /// MiB of sequence state the prefix cache keeps across requests (snapshots at the start of a turn and after
+    /// each reply; on CUDA in device memory beside the running sequences, on the CPU in RAM). 0 turns it off.
+    #[arg(long, default_value_t = 4096)]
+    pub prefix_cache_mib: usize,
     /// Larger request bodies get 413.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
@@ -93,6 +97,7 @@ pub fn main(
         max_concurrent: args.max_concurrent,
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
+        prefix_cache_bytes: args.prefix_cache_mib.saturating_mul(1 << 20),
         max_body_bytes: args.max_body_bytes,
         max_connections: args.max_connections,
         header_timeout: args.header_timeout,

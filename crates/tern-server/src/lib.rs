@@ -76,6 +76,8 @@ pub struct ServeOptions {
     pub max_queue: usize,
     /// Tokens one engine step reads (0: the backend's choice; see `EngineConfig::step_tokens`).
     pub step_tokens: usize,
+    /// Backend state the prefix cache may hold across requests, in bytes (0: no prefix cache).
+    pub prefix_cache_bytes: usize,
     /// Larger request bodies get 413.
     pub max_body_bytes: usize,
     /// Open connections; past this a new connection gets a 503 and is closed.
@@ -105,6 +107,7 @@ impl Default for ServeOptions {
             max_concurrent: 64,
             max_queue: 64,
             step_tokens: 0,
+            prefix_cache_bytes: EngineConfig::default().prefix_cache_bytes,
             max_body_bytes: 8 << 20,
             max_connections: 512,
             header_timeout: Duration::from_secs(10),
@@ -313,6 +316,7 @@ impl Ready {
             max_concurrent: opts.max_concurrent,
             max_queue: opts.max_queue,
             step_tokens: opts.step_tokens,
+            prefix_cache_bytes: opts.prefix_cache_bytes,
             ..EngineConfig::default()
         };
         let t0 = Instant::now();

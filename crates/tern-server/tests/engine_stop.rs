@@ -64,3 +64,39 @@ fn health_is_honest_after_a_backend_panic() {
     }
     server.stop();
 }
+
+/// `--prefix-cache-mib`: a prompt that continues a finished one (its prompt, the reply, more) reuses that state
+/// (`cached_tokens`), and a bound of 0 keeps nothing.
+#[test]
+fn prefix_cache_bound_of_zero_keeps_nothing() {
+    let Some(qwen) = common::setup("prefix_cache_bound_of_zero_keeps_nothing") else { return };
+    for (bytes, expect_hit) in [(ServeOptions::default().prefix_cache_bytes, true), (0, false)] {
+        let q = qwen.clone();
+        let server = common::Server::start(
+            move || Model::with_backend(&q, Arc::new(ScriptedBackend::new(248320, vec![11, 12, 13]))),
+            ServeOptions { prefix_cache_bytes: bytes, ..ServeOptions::default() },
+        );
+        let t0 = std::time::Instant::now();
+        while common::http(&server.root, "GET", "/health", None).0 != 200 {
+            assert!(t0.elapsed().as_secs() < 60, "never ready");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let first: Vec<u32> = (100..140).collect();
+        let body = format!(r#"{{"prompt": {first:?}, "max_tokens": 3, "temperature": 0}}"#);
+        let (status, reply) = common::http(&server.root, "POST", "/v1/completions", Some(&body));
+        assert_eq!(status, 200, "{reply}");
+        // the first prompt, its three scripted reply tokens, then more
+        let next: Vec<u32> = first.iter().copied().chain([11, 12, 13, 200, 201]).collect();
+        let body = format!(r#"{{"prompt": {next:?}, "max_tokens": 1, "temperature": 0}}"#);
+        let (status, reply) = common::http(&server.root, "POST", "/v1/completions", Some(&body));
+        assert_eq!(status, 200, "{reply}");
+        let v: serde_json::Value = serde_json::from_str(&reply).unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        println!("prefix cache of {bytes} bytes: {cached} of {} prompt tokens cached", next.len());
+        match expect_hit {
+            true => assert!(cached >= first.len() as u64, "{reply}"),
+            false => assert_eq!(cached, 0, "{reply}"),
+        }
+        server.stop();
+    }
+}
