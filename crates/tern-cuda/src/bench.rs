@@ -14,6 +14,11 @@ const BW: f64 = 4.3e12;
 /// Timed decode steps per context after the prefill.
 const DECODE_STEPS: usize = 64;
 
+/// Bytes of a 4-bit `rows x cols` matrix: half a byte a weight, a bf16 scale and bias per 64 columns.
+fn q4(rows: usize, cols: usize) -> usize {
+    rows * cols / 2 + rows * cols / 64 * 4
+}
+
 /// Synthetic prompt: `((i * 2654435761) mod 2^32) mod vocab` (the CPU bench's ids).
 fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
     (0..n as u64).map(|i| ((i.wrapping_mul(2654435761) % (1 << 32)) % vocab as u64) as u32).collect()
@@ -175,7 +180,6 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
     let n_gdn = c.layer_types.len() - n_attn;
     let (h, k, e) = (c.hidden_size, c.num_experts_per_tok, c.num_experts);
     let i = c.moe_intermediate_size;
-    let q4 = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 4;
     let expert = q4(2 * i, h) + q4(h, i);
     let layers = c.layer_types.len();
     // weights every step reads once: all but the routed experts (weight_bytes_per_token counts k of them)
@@ -342,7 +346,6 @@ fn kernel_times(be: &CudaBackend, st: &mut crate::seq::DeviceState, ctx: usize) 
 /// per 64), the recurrent state read and written, the K/V rows of `ctx + 1` positions; 0 for the small ones.
 fn op_bytes(m: &crate::model::DeviceModel, st: &crate::seq::DeviceState, op: StepOp, ctx: usize) -> usize {
     let c = &m.config;
-    let q4 = |rows: usize, cols: usize| rows * cols / 2 + rows * cols / 64 * 4;
     let (h, i, is, k) =
         (c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size, c.num_experts_per_tok);
     let layer = |l: usize| m.layers.get(l);

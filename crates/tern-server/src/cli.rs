@@ -45,9 +45,10 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub step_tokens: usize,
     /// MiB of sequence state the prefix cache keeps across requests (snapshots at the start of a turn and after
-    /// each reply; on CUDA in device memory beside the running sequences, on the CPU in RAM). 0 turns it off.
-    #[arg(long, default_value_t = 4096)]
-    pub prefix_cache_mib: usize,
+    /// each reply; on CUDA in device memory beside the running sequences, on the CPU in RAM). 0 turns it off; at
+    /// most 1,048,576 (1 TiB).
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
+    pub prefix_cache_mib: u64,
     /// Larger request bodies get 413.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
@@ -97,7 +98,7 @@ pub fn main(
         max_concurrent: args.max_concurrent,
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
-        prefix_cache_bytes: args.prefix_cache_mib.saturating_mul(1 << 20),
+        prefix_cache_bytes: usize::try_from(args.prefix_cache_mib << 20).unwrap_or(usize::MAX),
         max_body_bytes: args.max_body_bytes,
         max_connections: args.max_connections,
         header_timeout: args.header_timeout,
