@@ -1,20 +1,20 @@
 //! Batched decode: one token for each of up to [`MAX_SEQS`] sequences in one pass of kernels per layer, so that
 //! every weight is read once per step for all of them instead of once per sequence.
 //!
-//! The token-independent work runs over the B rows: tensor-core GEMMs (the prefill's) for the projections with many
-//! rows and the lm_head, streamed few-token kernels (moe_seqs.cu: each weight byte read once from DRAM and applied
-//! to every row that needs it) for out_proj / o_proj, the router and the experts over the few tokens each gets; the
-//! per-sequence work runs in one launch
+//! The token-independent work runs over the B rows with the streamed few-token kernels of moe_seqs.cu (each weight
+//! byte read once from DRAM and applied to every row that needs it, on tensor cores): `dense_seqs` for the dense
+//! projections and the lm_head, the router, and the experts over the few tokens each gets; the per-sequence work runs
+//! in one launch
 //! for all rows with the decode kernels' `_seqs` variants (crates/tern-kernels/cuda/{gdn,attention}.cu), which
 //! take each row's recurrent state, conv ring and K/V cache from pointer tables and its position from a device
 //! array the host uploads before the step:
-//! - GDN: rmsnorm_rows → gemm_q4 (in_proj) → gdn_step_seqs (conv, gates, delta rule, gated norm → bf16) →
-//!   gemv_seqs (out_proj, + residual).
-//! - Attention: rmsnorm_rows → gemm_q4 (q|gate, k, v) → attn_prep_seqs (norms, RoPE, K/V row at the position) →
+//! - GDN: rmsnorm_rows → dense_seqs (in_proj) → gdn_step_seqs (conv, gates, delta rule, gated norm → bf16) →
+//!   dense_seqs (out_proj, + residual).
+//! - Attention: rmsnorm_rows → dense_seqs (q|gate, k, v) → attn_prep_seqs (norms, RoPE, K/V row at the position) →
 //!   attn_decode_kv_seqs (flash-decoding splits over keys 0..=pos) → attn_combine_seqs (+ output gate → bf16) →
-//!   gemv_seqs (o_proj, + residual).
+//!   dense_seqs (o_proj, + residual).
 //! - MoE: router and sort as the prefill (`prefill::moe_rows`), then the streamed expert kernels of moe_seqs.cu.
-//! - Then the final norm, the lm_head GEMM into `[B, vocab]` logits and one `sample_rows` launch for every row's draw
+//! - Then the final norm, the lm_head (dense_seqs) into `[B, vocab]` logits and one `sample_rows` launch for every row's draw
 //!   (crates/tern-cuda/src/sample.rs: greedy rows are temperature-0 draws below their limit).
 //!
 //! [`DeviceModel::prefill_seqs`] does the same for prompt chunks of several sequences: the projections and the MoE
@@ -48,19 +48,11 @@ const MAX_SPLIT: usize = 32;
 /// Rows and tokens per block of router_seqs (RS_R, RS_TG in moe_seqs.cu).
 const RS_R: usize = 16;
 const RS_TG: usize = 4;
-/// Rows and tokens per block of gemv_seqs_q4 (GV_R, GV_TG in moe_seqs.cu).
-const GV_R: usize = 32;
-const GV_TG: usize = 4;
 /// j per block of moe_gate_up_seqs and output rows per block of moe_down_seqs (4 warps of 2 items: 8 j or 16 rows);
 /// tokens per pass (MM_WARPS, MM_R, MM_TG in moe_seqs.cu).
 const MM_J: usize = 64;
 const MM_ROWS: usize = 128;
 const MM_TG: usize = 8;
-
-/// Length of a shared-memory vector of `n` floats padded by 4 every 32 (`padx_len` in common.cuh).
-fn padx_len(n: usize) -> usize {
-    n + (n >> 5) * 4 + 4
-}
 
 /// A batched step's expert choices, per layer (`[layer][n * k]`, rows in order; tests): appended to a log, or
 /// held to given ones (the weights from the step's own router logits, renormalised over them; a slow host path).
@@ -353,26 +345,26 @@ impl DeviceModel {
             match &l.mixer {
                 DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
                     let ldp = proj.rows;
-                    mark("gdn_in_proj (gemm)")?;
-                    g.gemm_q4(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    mark("gdn_in_proj (dense)")?;
+                    g.dense_seqs(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     mark("gdn_step_seqs")?;
                     let st = (&ta, &tb, &sq.posv);
                     g.gdn_step_seqs(&sc.proj, ldp, conv, a_log, dt_bias, st, n, norm, eps, d, &mut sc.xb)?;
-                    mark("gdn_out_proj (gemv)")?;
-                    g.gemv_seqs(out, &sc.xb, n, &mut sc.x, h, true)?;
+                    mark("gdn_out_proj (dense)")?;
+                    g.dense_seqs(out, &sc.xb, n, &mut sc.x, h, true)?;
                 }
                 DMixer::Attn { qkv, o, qn, kn } => {
                     let ldp = qkv.rows;
-                    mark("attn_qkv (gemm)")?;
-                    g.gemm_q4(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    mark("attn_qkv (dense)")?;
+                    g.dense_seqs(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
                     let kv = (&ta, &tb, &sq.posv);
                     mark("attn_seqs (prep+decode+combine)")?;
                     g.attn_prep_seqs(&sc.proj, ldp, qn, kn, kv, n, dims, theta, eps, &mut sq.qbuf)?;
                     g.attn_decode_seqs(&sq.qbuf, kv, n, (nh, nkv, hd), ns, &mut sq.part)?;
                     g.attn_combine_seqs(&sq.part, &sc.proj, ldp, n, nh, hd, ns, &mut sc.xb)?;
-                    mark("attn_o_proj (gemv)")?;
-                    g.gemv_seqs(o, &sc.xb, n, &mut sc.x, h, true)?;
+                    mark("attn_o_proj (dense)")?;
+                    g.dense_seqs(o, &sc.xb, n, &mut sc.x, h, true)?;
                 }
             }
             let how = match streamed {
@@ -386,9 +378,9 @@ impl DeviceModel {
             };
             moe_rows(self, li, sc, n, how, held, mark)?;
         }
-        mark("lm_head (gemm) + sample")?;
+        mark("lm_head (dense) + sample")?;
         g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
-        g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, c.vocab_size, false)
+        g.dense_seqs(&self.lm_head, &sc.xb, n, &mut sq.logits, c.vocab_size, false)
     }
 }
 
@@ -598,20 +590,19 @@ impl Gpu {
         ensure!(conv_w.len() == conv_dim * d.taps && a_log.len() >= d.hv && dt_bias.len() >= d.hv, "gdn_step_seqs");
         ensure!(norm.len() >= d.dv && out.len() >= n * vd, "gdn_step_seqs: norm / out");
         ensure!(rings.len() >= n && states.len() >= n && posv.len() >= n, "gdn_step_seqs: tables");
+        let smem = d.dk * d.dv * 4;
+        ensure!(smem <= SMEM_MAX, "gdn_step_seqs: a head's state of {smem} bytes is over the shared memory limit");
         let v = [ldp, vd, d.hk, d.hv, d.dk, d.dv, d.taps].map(|v| v as i32);
-        let chunks = d.dv.div_ceil(32) as u32;
+        let threads = 128 * d.dv.div_ceil(32) as u32;
         let mut l = self.launcher(&self.f.gdn_step_seqs);
         l.arg(proj).arg(&v[0]).arg(conv_w).arg(rings).arg(a_log).arg(dt_bias).arg(states).arg(&*out).arg(&v[1]);
         l.arg(posv).arg(norm).arg(&eps).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&v[6]);
-        l.cluster = Some((1, chunks, 1));
-        let mut lc = cfg((d.hv as u32, chunks), 128, d.dk * 32 * 4);
-        lc.grid_dim.2 = n as u32;
-        // SAFETY: matches gdn_step_seqs in gdn.cu; proj holds n rows of stride ldp, out n rows of hv*dv; the tables
-        // hold n pointers to whole rings ([taps, conv_dim] f32) and states ([hv, dk, dv] f32) of live sequences
-        // (DeviceModel::decode_seqs builds them from the sequences' own buffers); clusters of the dv/32 blocks of a
-        // head (<= 8); the state slice's shared memory (dk * 32 floats, <= 16 KB) and dv % 4 == 0 (its 16-byte
-        // copies) as the kernel needs.
-        unsafe { l.launch(lc) }?;
+        // SAFETY: matches gdn_step_seqs in gdn.cu: grid (hv, n), 128 threads per 32 value columns (dv <= 256: at most
+        // 1024), the head's state in dynamic shared memory (dk * dv floats, checked against the opt-in limit; dv % 4
+        // == 0 for its 16-byte copies), dk <= 128 (its q/k arrays); proj holds n rows of stride ldp, out n rows of
+        // hv*dv; the tables hold n pointers to whole rings ([taps, conv_dim] f32) and states ([hv, dk, dv] f32) of
+        // live sequences (DeviceModel::decode_seqs builds them from the sequences' own buffers).
+        unsafe { l.launch(cfg((d.hv as u32, n as u32), threads, smem)) }?;
         Ok(())
     }
 
@@ -736,10 +727,12 @@ impl Gpu {
         Ok(())
     }
 
-    /// `y[t, r] (+)= W[r] · x[t]` for the `n` bf16 rows of `x` (`[n, cols]`) and a 4-bit matrix of few rows (the
-    /// batched step's out_proj and o_proj, where [`Gpu::gemm_q4`]'s 128-row tiles make 16 blocks): blocks of 32
-    /// rows × 4 tokens with exact dequantisation and f32 sums; y `[n, ldy]` f32, `add` adds to it (the residual).
-    pub fn gemv_seqs(
+    /// `y[t, r] (+)= W[r] · x[t]` for the `n` ≤ [`MAX_SEQS`] bf16 rows of `x` (`[n, cols]`) and a 4-bit matrix (the
+    /// batched step's dense projections and lm_head) on tensor cores: exact 4-bit codes, f32 scale/bias arithmetic and
+    /// accumulation, one block per 8 tokens and 128 rows (or 32 rows with the columns split over its warps, where
+    /// 128-row blocks would not fill the GPU twice over); y `[n, ldy]` f32, `add` adds to it (the residual).
+    /// Shapes it does not take (fewer than 16 rows, columns not a multiple of 32 or of the group size) are refused.
+    pub fn dense_seqs(
         &self,
         m: &QMat,
         x: &CudaSlice<u16>,
@@ -748,21 +741,36 @@ impl Gpu {
         ldy: usize,
         add: bool,
     ) -> Result<()> {
-        ensure!(n <= MAX_SEQS, "gemv_seqs: {n} rows (1..={MAX_SEQS})");
-        check_dense(m, x, n, y, ldy, "gemv_seqs")?;
-        let smem = GV_TG * (padx_len(m.cols) + m.cols / 32) * 4;
-        ensure!(smem <= SMEM_MAX, "gemv_seqs: {} columns need {smem} bytes of shared memory", m.cols);
-        ensure!(m.rows.div_ceil(GV_R) <= 65535, "gemv_seqs: {} rows is over the grid limit", m.rows);
-        let gshift = log2_exact(m.gs / 32, "gemv_seqs: group size")?;
+        ensure!(n <= MAX_SEQS, "dense_seqs: {n} rows (1..={MAX_SEQS})");
+        check_dense(m, x, n, y, ldy, "dense_seqs")?;
+        ensure!(m.rows >= 16, "dense_seqs: {} rows (at least 16)", m.rows);
+        let w = mma_words(m.gs, &[m.cols]);
+        let full = n.div_ceil(MM_TG) * m.rows.div_ceil(MM_ROWS);
+        let ks = match full < 2 * self.sms as usize && m.cols % (4 * 32 * w) == 0 && m.cols % (4 * m.gs) == 0 {
+            true => 4,
+            false => 1,
+        };
+        let rb = MM_ROWS / ks;
+        ensure!(m.rows.div_ceil(rb) <= 65535, "dense_seqs: {} rows is over the grid limit", m.rows);
+        let smem = dense_smem(m.cols, w, m.cols / m.gs, ks);
+        ensure!(smem <= SMEM_MAX, "dense_seqs: {} columns need {smem} bytes of shared memory", m.cols);
+        let gshift = log2_exact(m.gs, "dense_seqs: group size")? - 5;
         let (r, c, ni, ld, a) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32, add as i32);
-        let mut l = self.launcher(&self.f.gemv_seqs_q4);
+        let f = match (w, ks) {
+            (1, 1) => &self.f.dense_seqs_w1_k1,
+            (2, 1) => &self.f.dense_seqs_w2_k1,
+            (1, _) => &self.f.dense_seqs_w1_k4,
+            _ => &self.f.dense_seqs_w2_k4,
+        };
+        let mut l = self.launcher(f);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(&gshift).arg(x).arg(&ni).arg(&*y).arg(&ld).arg(&a);
-        let grid = (n.div_ceil(GV_TG) as u32, m.rows.div_ceil(GV_R) as u32);
-        // SAFETY: matches gemv_seqs_q4 (moe_seqs.cu); W is a whole 4-bit QMat (rows x cols/8 words, rows x cols/gs
-        // scales/biases), row loads clamped to rows - 1 in the kernel; x holds n rows of cols bf16, y n rows of stride
-        // ldy >= rows (checked); blocks past n tokens stage zeros and store nothing; shared memory as laid out there
-        // (checked against the opt-in limit).
-        unsafe { l.launch(cfg(grid, 256, smem)) }?;
+        let grid = (n.div_ceil(MM_TG) as u32, m.rows.div_ceil(rb) as u32);
+        // SAFETY: matches dense_seqs_w{1,2}_k{1,4} (moe_seqs.cu); W is a whole 4-bit QMat (rows x cols/8 words,
+        // rows x cols/gs scales/biases) with rows >= 16 (item starts clamp to rows - 16), cols a multiple of 32 W
+        // and of the group size (>= 32 W), and for the split of 4 of 4 x 32 W and 4 x the group size (checked); x
+        // holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); blocks past n tokens store
+        // nothing; shared memory as laid out there (checked against the opt-in limit).
+        unsafe { l.launch(cfg(grid, 128, smem)) }?;
         Ok(())
     }
 
@@ -878,6 +886,13 @@ fn mma_words(gs: usize, ks: &[usize]) -> usize {
 /// and token), their f32 sums per k-block, and the block's 128 rows of scales and biases (`ng` groups a row).
 fn mma_smem(k: usize, w: usize, ng: usize) -> usize {
     k * 16 + k / (32 * w) * MM_TG * 4 + 2 * 128 * mma_scale_stride(ng) * 2
+}
+
+/// Shared memory of dense_seqs with its columns split `ks` ways: as [`mma_smem`] for 128 / ks rows, and the
+/// splits' partial sums (`ks - 1` of 128 / ks rows x 8 tokens).
+fn dense_smem(k: usize, w: usize, ng: usize, ks: usize) -> usize {
+    let rb = MM_ROWS / ks;
+    k * 16 + k / (32 * w) * MM_TG * 4 + 2 * rb * mma_scale_stride(ng) * 2 + (ks - 1) * rb * MM_TG * 4
 }
 
 /// Row stride of the kernels' shared copy of scales (`mma_scale_stride` in moe_seqs.cu).

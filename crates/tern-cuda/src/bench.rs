@@ -161,7 +161,7 @@ const BATCHES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 /// each: median step time over `repeats` runs of 8 steps, tokens/s = B / step, beside the bandwidth ceiling of a step
 /// (the non-expert weights and lm_head once, the distinct experts the B tokens route to — expected for uniform
 /// routing, 1 - (1 - k/E)^B of them — once each, every sequence's GDN state read and written and its KV read, at 4.3
-/// TB/s); then a per-kernel profile of one step at 32 sequences.
+/// TB/s); then per-kernel profiles of one step at 8 and 32 sequences.
 pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()> {
     use crate::batch::{Draw, RowWant, MAX_SEQS};
     use crate::seq::DeviceState;
@@ -241,20 +241,37 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
     }
     set_graphs(m, true)?;
     println!("(ceiling: bytes per step / 4.3 TB/s; experts: expected distinct routed experts per layer)");
+    // per-kernel-family profiles of one step at 8 and 32 sequences, side by side
+    let sizes: Vec<usize> = [8, 32].into_iter().filter(|&b| b <= bmax).collect();
+    let mut profiles = Vec::new();
+    for &b in &sizes {
+        let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+        for s in refs.iter_mut() {
+            s.set_len(&g, ctx)?;
+        }
+        let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+        let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
+        let mut p = Profile::default();
+        m.decode_seqs_profiled(&mut refs, &ids, &want, Some(&mut p), None)?;
+        profiles.push(p);
+    }
+    let totals: Vec<String> = sizes
+        .iter()
+        .zip(&profiles)
+        .map(|(b, p)| format!("{b} sequences {:.2} ms", p.ops.iter().map(|o| o.1).sum::<f64>()))
+        .collect();
+    println!("batched decode profile (events around each kernel family; ms per step): {}", totals.join(", "));
+    if let Some(first) = profiles.first() {
+        for (name, _, n) in &first.ops {
+            let cols: Vec<String> = profiles
+                .iter()
+                .map(|p| p.ops.iter().find(|o| o.0 == *name).map_or("-".into(), |o| format!("{:>9.3}", o.1)))
+                .collect();
+            println!("  {name:<32} {n:>5} calls {}", cols.join(" "));
+        }
+    }
     let b = 32.min(bmax);
-    let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
-    for s in refs.iter_mut() {
-        s.set_len(&g, ctx)?;
-    }
-    let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
     let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
-    let mut p = Profile::default();
-    m.decode_seqs_profiled(&mut refs, &ids, &want, Some(&mut p), None)?;
-    let total: f64 = p.ops.iter().map(|o| o.1).sum();
-    println!("batched decode profile ({b} sequences, events around each kernel family): {total:.2} ms");
-    for (name, ms, n) in &p.ops {
-        println!("  {name:<32} {n:>5} calls {ms:>9.3} ms {:>5.1}%", 100.0 * ms / total);
-    }
     // the first tokens of 32 users who send 80-token prompts at once: one prefill after another, or one pass
     let prompts: Vec<Vec<u32>> = (0..b as u64)
         .map(|r| prompt_ids(80, c.vocab_size).iter().map(|&t| (t + r as u32 * 3) % c.vocab_size as u32).collect())
@@ -412,7 +429,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         43 => "moe_gate_up_seqs",
         44 => "moe_down_seqs",
         45 => "router_seqs",
-        46 => "gemv_seqs",
+        46 => "dense_seqs",
         50 => "sample_rows",
         _ => "?",
     };

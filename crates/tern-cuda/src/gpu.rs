@@ -80,7 +80,8 @@ funcs! {
     gdn_step_seqs: "gdn", attn_prep_seqs: "attention", attn_decode_kv_seqs: "attention",
     attn_combine_seqs: "attention", moe_gate_up_seqs_w1: "moe_seqs", moe_gate_up_seqs_w2: "moe_seqs",
     moe_down_seqs_w1: "moe_seqs", moe_down_seqs_w2: "moe_seqs",
-    router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs", gemv_seqs_q4: "moe_seqs",
+    router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs",
+    dense_seqs_w1_k1: "moe_seqs", dense_seqs_w2_k1: "moe_seqs", dense_seqs_w1_k4: "moe_seqs", dense_seqs_w2_k4: "moe_seqs",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
     // multi-token (prefill) kernels: see prefill.rs

@@ -56,7 +56,11 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.moe_gate_up_seqs_w2,
         &f.moe_down_seqs_w1,
         &f.moe_down_seqs_w2,
-        &f.gemv_seqs_q4,
+        &f.dense_seqs_w1_k1,
+        &f.dense_seqs_w2_k1,
+        &f.dense_seqs_w1_k4,
+        &f.dense_seqs_w2_k4,
+        &f.gdn_step_seqs,
     ]
 }
 
@@ -113,7 +117,7 @@ impl GdnDims {
     }
 }
 
-/// The shapes a dense 4-bit product over `n` bf16 rows takes (gemm_q4, gemv_seqs): 4-bit W, cols a multiple of
+/// The shapes a dense 4-bit product over `n` bf16 rows takes (gemm_q4, dense_seqs): 4-bit W, cols a multiple of
 /// 32, a power-of-two group size ≥ 32 dividing them; x holding n rows of cols, y n rows of stride ldy ≥ W.rows.
 pub(crate) fn check_dense(
     m: &QMat,
@@ -392,11 +396,14 @@ impl Gpu {
     ) -> Result<()> {
         let (n, k) = (sorted.n, sorted.k);
         ensure!(ybuf.len() >= n * (k + 1) * h && wts.len() >= n * (k + 1) && x.len() >= n * h, "moe_combine: buffers");
+        ensure!(h % 4 == 0 && n <= i32::MAX as usize, "moe_combine: hidden size {h} (a multiple of 4)");
         let (ki, hi) = (k as i32, h as i32);
         let mut l = self.launcher(&self.f.moe_combine);
         l.arg(ybuf).arg(&sorted.pos).arg(wts).arg(&ki).arg(&hi).arg(&*x);
-        // SAFETY: matches moe_combine (prefill.cu); pos entries < n*(k+1) rows of ybuf (moe_align over n, k).
-        unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
+        // SAFETY: matches moe_combine (prefill.cu): grid (n, h / 1024) of 256 threads, 4 columns each (h % 4 == 0,
+        // checked; the buffers' f32 rows of h are 16-byte aligned); pos entries < n*(k+1) rows of ybuf (moe_align
+        // over n, k).
+        unsafe { l.launch(cfg((n as u32, h.div_ceil(1024) as u32), 256, 0)) }?;
         Ok(())
     }
 

@@ -98,6 +98,72 @@ fn gdn_core_matches_cpu() {
     }
 }
 
+/// The batched step's GDN kernel (one block per value head and sequence, the head's state through shared memory)
+/// against the batch-1 kernel that `gdn_core_matches_cpu` checks against the CPU: three sequences with random
+/// states and rings at different positions (sequence s joins at step s, so the batch has 1, 2, then 3 rows),
+/// projections in rows of a padded stride. The arithmetic is the same in the same order, so the states, the rings
+/// and the output (bf16 of the batch-1 kernel's f32) must be equal bit for bit.
+#[test]
+fn gdn_step_seqs_equals_gdn_step() {
+    use cudarc::driver::DevicePtr;
+    let Some(g) = gpu_or_skip("gdn_step_seqs_equals_gdn_step") else { return };
+    let tiny = Config::from_dir(&fixtures_dir().join("tiny-b")).unwrap();
+    for (name, c) in [("full", small_moe(full_config())), ("tiny-b", small_moe(tiny))] {
+        let (_w, dm) = one_layer(&g, c.clone(), LayerKind::Linear, 13);
+        let DMixer::Gdn { conv, a_log, dt_bias, norm, .. } = &dm.layers[0].mixer else { unreachable!() };
+        let d = tern_cuda::prefill::GdnDims::of(&c);
+        let (cd, vd) = (c.linear_conv_dim(), c.linear_value_dim());
+        let dims = (d.hk, d.hv, d.dk, d.dv, d.taps);
+        let (nseq, steps, eps) = (3, 10, c.rms_norm_eps);
+        let ldp = cd + vd + 2 * d.hv + 5;
+        let mut rng = Rng(17);
+        let init_s: Vec<Vec<f32>> = (0..nseq).map(|_| rng.vec(d.hv * d.dk * d.dv, 0.5)).collect();
+        let init_r: Vec<Vec<f32>> = (0..nseq).map(|_| rng.vec(d.taps * cd, 1.0)).collect();
+        let up = |v: &Vec<f32>| g.upload(v).unwrap();
+        let (mut sa, mut ra): (Vec<_>, Vec<_>) = (init_s.iter().map(up).collect(), init_r.iter().map(up).collect());
+        let (sb, rb): (Vec<_>, Vec<_>) = (init_s.iter().map(up).collect(), init_r.iter().map(up).collect());
+        let mut o = g.zeros::<f32>(vd).unwrap();
+        let mut pos = g.zeros::<i32>(1).unwrap();
+        let (mut worst_state, mut worst_out) = (0.0f32, 0.0f32);
+        for t in 0..steps {
+            let live: Vec<usize> = (0..nseq).filter(|&s| s <= t).collect();
+            let n = live.len();
+            let mut proj = vec![0.0f32; n * ldp];
+            let mut want = Vec::with_capacity(n * vd);
+            for (r, &s) in live.iter().enumerate() {
+                let mut row = rng.vec(cd + vd, 2.0);
+                row.extend(rng.vec(2 * d.hv, 3.0));
+                proj[r * ldp..r * ldp + row.len()].copy_from_slice(&row);
+                set_pos(&g, &mut pos, t - s);
+                let dp = g.upload(&row).unwrap();
+                g.gdn_step(&dp, conv, &mut ra[s], a_log, dt_bias, &mut sa[s], &mut o, &pos, norm, eps, dims).unwrap();
+                want.extend(g.download(&o).unwrap().into_iter().map(round_bf16));
+            }
+            let ptrs =
+                |v: &[CudaSlice<f32>]| -> Vec<u64> { live.iter().map(|&s| v[s].device_ptr(&g.stream).0).collect() };
+            let (ta, tb) = (g.upload(&ptrs(&rb)).unwrap(), g.upload(&ptrs(&sb)).unwrap());
+            let posv = g.upload(&live.iter().map(|&s| (t - s) as i32).collect::<Vec<i32>>()).unwrap();
+            let dproj = g.upload(&proj).unwrap();
+            let mut out = g.zeros::<u16>(n * vd).unwrap();
+            let tables = (&ta.slice(..), &tb.slice(..), &posv);
+            g.gdn_step_seqs(&dproj, ldp, conv, a_log, dt_bias, tables, n, norm, eps, d, &mut out).unwrap();
+            let got: Vec<f32> =
+                g.download(&out).unwrap().into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect();
+            worst_out = worst_out.max(got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
+            for &s in &live {
+                let (a, b) = (g.download(&sa[s]).unwrap(), g.download(&sb[s]).unwrap());
+                worst_state = worst_state.max(a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max));
+                assert_eq!(g.download(&ra[s]).unwrap(), g.download(&rb[s]).unwrap(), "{name} step {t} seq {s}: rings");
+            }
+        }
+        println!(
+            "gdn_step_seqs {name} ({nseq} sequences, {steps} steps, 1-3 rows): max |state diff| {worst_state:e}, max \
+             |out diff| {worst_out:e} against gdn_step"
+        );
+        assert!(worst_state == 0.0 && worst_out == 0.0, "{name}: gdn_step_seqs differs from gdn_step");
+    }
+}
+
 /// Decode attention: q/k norm + partial NeoX RoPE + bf16 KV append, split-K decode over the cache (GQA), merge
 /// of the splits + sigmoid gate; every context length from 1 up, several split counts (empty splits included).
 #[test]

@@ -56,12 +56,12 @@ fn gemm_q4_matches_cpu() {
     let mut rng = Rng(41);
     let mut report = Vec::new();
     let cases: [(usize, usize, usize, &[usize]); 6] = [
-        (12352, 2048, 64, &[1, 5, 65, 130]), // GDN in_proj
-        (2048, 4096, 64, &[63, 64]),         // out_proj / o_proj
-        (1000, 2048, 64, &[1000]),           // rows not a multiple of the tile
-        (100, 96, 32, &[1, 1000]),           // tiny-b: K = 96 (a half k-step), group 32
-        (257, 512, 128, &[200]),             // group 128
-        (9216, 2048, 64, &[257]),            // attention q|gate|k|v
+        (12352, 2048, 64, &[1, 5, 32, 65, 130]), // GDN in_proj
+        (2048, 4096, 64, &[63, 64]),             // out_proj / o_proj
+        (1000, 2048, 64, &[13, 1000]),           // rows not a multiple of the tile
+        (100, 96, 32, &[1, 1000]),               // tiny-b: K = 96 (a half k-step), group 32
+        (257, 512, 128, &[3, 200]),              // group 128
+        (9216, 2048, 64, &[257]),                // attention q|gate|k|v
     ];
     for (rows, cols, gs, ns) in cases {
         let q = QuantMatrix::quantize_grouped(&rng.vec(rows * cols, 1.0), rows, cols, 4, gs).unwrap();
@@ -110,23 +110,25 @@ fn gemm_q4_matches_cpu() {
             };
             let (diff, mut pad_ok) = added(&g.download(&dy).unwrap());
             let e_add = rel(&diff, &want);
-            // the batched step's few-token GEMV (exact dequantisation, f32 sums): the exact product to f32 rounding
-            let gemv = if n <= tern_cuda::batch::MAX_SEQS {
+            // the batched step's few-token product (tensor cores on the exact codes, f32 scale/bias arithmetic): the
+            // exact product to f32 accumulation (1e-4: the per-k-block s C + (b - 128 s) X cancels terms ~1000x the
+            // result's scale)
+            let dense = if n <= tern_cuda::batch::MAX_SEQS {
                 let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
-                g.gemv_seqs(&dm, &dx, n, &mut dy, rows, false).unwrap();
+                g.dense_seqs(&dm, &dx, n, &mut dy, rows, false).unwrap();
                 let e_store = rel2(&g.download(&dy).unwrap(), &exact);
                 let mut dy = g.upload(&y0).unwrap();
-                g.gemv_seqs(&dm, &dx, n, &mut dy, ld, true).unwrap();
+                g.dense_seqs(&dm, &dx, n, &mut dy, ld, true).unwrap();
                 let (diff, pad) = added(&g.download(&dy).unwrap());
                 pad_ok &= pad;
                 let e_add = rel2(&diff, &exact);
-                assert!(e_store < 1e-5 && e_add < 1e-5, "gemv_seqs {rows}x{cols} N={n}: {e_store} / {e_add}");
-                format!(", gemv_seqs {e_store:.1e} add {e_add:.1e}")
+                assert!(e_store < 1e-4 && e_add < 1e-4, "dense_seqs {rows}x{cols} N={n}: {e_store} / {e_add}");
+                format!(", dense_seqs {e_store:.1e} add {e_add:.1e}")
             } else {
                 String::new()
             };
             report.push(format!(
-                "{rows}x{cols} g{gs} N={n}: same-operands {e_same:.1e} add {e_add:.1e} vs exact f32 {e_exact:.1e}{gemv}"
+                "{rows}x{cols} g{gs} N={n}: same-operands {e_same:.1e} add {e_add:.1e} vs exact f32 {e_exact:.1e}{dense}"
             ));
             assert!(e_same < 1e-4 && e_add < 1e-4, "gemm {rows}x{cols} N={n}: {e_same} / {e_add}");
             assert!(e_exact < 1e-2, "gemm {rows}x{cols} N={n}: {e_exact} from the exact f32 product");

@@ -11,11 +11,14 @@
 // Inputs: proj = [conv_dim (q|k|v) | value_dim (z) | Hv (b) | Hv (a)] f32; conv_w [conv_dim, K] f32;
 // ring [K, conv_dim] f32 (slot p % K holds the pre-conv input of position p); pos: device position counter.
 // Bytes per call: state 2 * Hv*dk*dv*4 (read+write) + ~(K+1)*conv_dim*4. FLOPs ~ 6*Hv*dk*dv.
-// gdn_step_seqs: the same step for B sequences of a batched decode step (grid z = row r): proj row r (stride
-// ldp), ring and state of row r's sequence from the pointer tables rings[r] / states[r], position posv[r]
-// (uploaded by the host before the step, so it may be read before the dependency wait), output bf16 row r
-// (stride ldo) for the out_proj GEMM. Its state slice goes through shared memory (dk * 32 * 4 bytes, dynamic;
-// dv % 4 == 0).
+// gdn_step_seqs: the same step for B sequences of a batched decode step, one block per (value head h, row r): grid
+// (Hv, B), 128 * ceil(dv / 32) threads (warp w: value columns 32 (w % C) + lane, C = ceil(dv / 32), and state rows
+// i = w / C + 4 j). Row r's projections proj + r ldp, its ring and state from the pointer tables rings[r] /
+// states[r], its position posv[r] (uploaded by the host before the step, so it may be read before the dependency
+// wait), output bf16 row r (stride ldo) for out_proj. The head's whole state [dk][dv] goes through dynamic shared
+// memory (cp.async, issued first; dk * dv * 4 bytes, dv % 4 == 0): no cluster, and the conv and norms of a head are
+// computed once instead of once per 32 columns (the per-32-column blocks of the batch-1 kernel, 4,096 of them at
+// B = 32, took 75 us where the state's bytes take ~31).
 #include "mma.cuh"  // cp_async
 #include <cooperative_groups.h>
 namespace cg = cooperative_groups;
@@ -23,10 +26,7 @@ namespace cg = cooperative_groups;
 #define MAXR 32  // dk <= 4 * MAXR = 128
 
 
-// SMEM (gdn_step_seqs): the block's state slice [dk][32] lands in dynamic shared memory by cp.async instead of in
-// registers (149 registers held 3 blocks per SM, and the batched step's 10 waves of blocks waited on their loads at
-// 18% occupancy); the rows are then read from there, twice.
-template <typename OutT, bool SMEM>
+template <typename OutT>
 __device__ __forceinline__ void gdn_step_body(
     const float* __restrict__ proj, const float* __restrict__ conv_w, float* __restrict__ ring,
     const float* __restrict__ a_log, const float* __restrict__ dt_bias, float* __restrict__ state,
@@ -48,23 +48,13 @@ __device__ __forceinline__ void gdn_step_body(
     // completed before this step's second kernel starts.
     const int pos = *pos_ptr;
     float* S = state + (long)h * dk * dv;
-    float sreg[SMEM ? 1 : MAXR];
-    extern __shared__ __align__(16) float sst[];  // SMEM: [dk][32], column j of the slice = chunk * 32 + j
-    if constexpr (SMEM) {
-        // 16-byte copies: row i, columns chunk * 32 + 4 q .. + 3 (dv % 4 == 0, checked on the host; past dv: zeros)
-        for (int idx = tid; idx < dk * 8; idx += blockDim.x) {
-            const int i = idx >> 3, q = idx & 7, c0 = chunk * 32 + 4 * q;
-            cp_async16(sst + i * 32 + 4 * q, S + (long)i * dv + min(c0, dv - 4), c0 < dv ? 16 : 0);
-        }
-        cp_async_commit();
-    } else {
+    float sreg[MAXR];
 #pragma unroll
-        for (int r = 0; r < MAXR; r++) {
-            int i = warp + 4 * r;
-            sreg[r] = (i < dk && active) ? S[i * dv + col] : 0.f;
-        }
+    for (int r = 0; r < MAXR; r++) {
+        int i = warp + 4 * r;
+        sreg[r] = (i < dk && active) ? S[i * dv + col] : 0.f;
     }
-    auto srow = [&](int r) -> float& { return SMEM ? sst[(warp + 4 * r) * 32 + lane] : sreg[r]; };
+    auto srow = [&](int r) -> float& { return sreg[r]; };
     const int cur = pos % K, first = (pos + 1) % K;  // ring slot of this position, of the oldest input
     // conv over the K-1 earlier inputs of channel ch, and the weight of the current input
     auto conv_past = [&](int ch, float& wlast) {
@@ -118,16 +108,12 @@ __device__ __forceinline__ void gdn_step_body(
     __syncthreads();
     const float beta = sigmoid_f(xb);
     const float decay = __expf(-ealog * softplus_f(xa + dtb));
-    if constexpr (SMEM) {
-        cp_async_wait<0>();
-        __syncthreads();
-    }
     float m = 0.f;
 #pragma unroll
     for (int r = 0; r < MAXR; r++) {
         int i = warp + 4 * r;
         if (i < dk && active) {
-            srow(r) *= decay;  // SMEM: only this thread reads or writes its rows' column
+            srow(r) *= decay;
             m = fmaf(srow(r), ks[i], m);
         }
     }
@@ -167,17 +153,119 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     float* __restrict__ out, const int* __restrict__ pos_ptr, const float* __restrict__ norm, float eps, int Hk, int Hv,
     int dk, int dv, int K) {
     KTRACE(20);
-    gdn_step_body<float, false>(proj, conv_w, ring, a_log, dt_bias, state, out, pos_ptr, norm, eps, Hk, Hv, dk, dv, K);
+    gdn_step_body<float>(proj, conv_w, ring, a_log, dt_bias, state, out, pos_ptr, norm, eps, Hk, Hv, dk, dv, K);
 }
 
-extern "C" __global__ void __launch_bounds__(128, 8) gdn_step_seqs(
+extern "C" __global__ void __launch_bounds__(1024) gdn_step_seqs(
     const float* __restrict__ proj, int ldp, const float* __restrict__ conv_w,
     const unsigned long long* __restrict__ rings, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
     const unsigned long long* __restrict__ states, __nv_bfloat16* __restrict__ out, int ldo,
     const int* __restrict__ posv, const float* __restrict__ norm, float eps, int Hk, int Hv, int dk, int dv, int K) {
     KTRACE(21);
-    const int r = blockIdx.z;
-    gdn_step_body<__nv_bfloat16, true>(proj + (long)r * ldp, conv_w, reinterpret_cast<float*>(rings[r]), a_log, dt_bias,
-                                 reinterpret_cast<float*>(states[r]), out + (long)r * ldo, posv + r, norm, eps, Hk, Hv,
-                                 dk, dv, K);
+    __shared__ float red[3][32];                       // per-warp partial sums: |q|^2, |k|^2, |o|^2
+    __shared__ float qs[128], ks[128], vs[256];       // normalised q, k; v (per column)
+    __shared__ float part[4][256];                     // per row group: m, then o, per column
+    extern __shared__ __align__(16) float sst[];       // the head's state [dk][dv]
+    const int h = blockIdx.x, r = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int C = (dv + 31) / 32, chunk = warp % C, rg = warp / C;  // column chunk, row group (0..3)
+    const int col = chunk * 32 + lane;
+    const bool active = col < dv;
+    const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, Vd = Hv * dv;
+    const int kh = h / (Hv / Hk);
+    proj += (long)r * ldp;
+    out += (long)r * ldo;
+    float* ring = reinterpret_cast<float*>(rings[r]);
+    float* S = reinterpret_cast<float*>(states[r]) + (long)h * dk * dv;
+    const int pos = posv[r];
+    // the state first (it does not depend on this step's inputs): 16-byte copies, row-major as in global memory
+    for (int idx = tid; idx < dk * dv / 4; idx += blockDim.x) cp_async16(sst + 4 * idx, S + 4 * idx, 16);
+    cp_async_commit();
+    const int cur = pos % K, first = (pos + 1) % K;  // ring slot of this position, of the oldest input
+    auto conv_past = [&](int ch, float& wlast) {
+        float acc = 0.f;
+        int slot = first;
+#pragma unroll 1
+        for (int j = 0; j < K - 1; j++) {
+            acc += conv_w[ch * K + j] * ring[slot * conv_dim + ch];
+            slot = slot + 1 == K ? 0 : slot + 1;
+        }
+        wlast = conv_w[ch * K + K - 1];
+        return acc;
+    };
+    // threads tid < dk: q and k channel tid; threads tid < dv: v channel tid (warps of row group 0: col == tid)
+    const bool has_qk = tid < dk, has_v = tid < dv;
+    const int chq = kh * dk + tid, chk = Kd + kh * dk + tid, chv = 2 * Kd + h * dv + tid;
+    float pq = 0.f, pk = 0.f, pv = 0.f, wq = 0.f, wk = 0.f, wv = 0.f;
+    if (has_qk) {
+        pq = conv_past(chq, wq);
+        pk = conv_past(chk, wk);
+    }
+    if (has_v) pv = conv_past(chv, wv);
+    const float ealog = __expf(a_log[h]), dtb = dt_bias[h];
+    const float gn = active ? norm[col] : 0.f;
+    pdl_wait();  // proj comes from the previous kernel
+    const float xq = has_qk ? proj[chq] : 0.f, xk = has_qk ? proj[chk] : 0.f, xv = has_v ? proj[chv] : 0.f;
+    const float xb = proj[conv_dim + Vd + h], xa = proj[conv_dim + Vd + Hv + h];
+    const float xz = (active && rg == 0) ? proj[conv_dim + h * dv + col] : 0.f;
+    if (has_qk && h % (Hv / Hk) == 0) {  // the key head's first value head writes its q/k ring slots
+        ring[cur * conv_dim + chq] = xq;
+        ring[cur * conv_dim + chk] = xk;
+    }
+    if (has_v) ring[cur * conv_dim + chv] = xv;
+    const float q = has_qk ? silu_f(fmaf(wq, xq, pq)) : 0.f;
+    const float k = has_qk ? silu_f(fmaf(wk, xk, pk)) : 0.f;
+    if (has_v) vs[tid] = silu_f(fmaf(wv, xv, pv));
+    // both l2 norms in one block reduction (warps past dk contribute zeros)
+    const float sq = warp_sum(q * q), sk = warp_sum(k * k);
+    if (lane == 0) {
+        red[0][warp] = sq;
+        red[1][warp] = sk;
+    }
+    __syncthreads();
+    float nq = 0.f, nk = 0.f;
+    for (int w = 0; w < (dk + 31) / 32; w++) {
+        nq += red[0][w];
+        nk += red[1][w];
+    }
+    if (has_qk) {
+        qs[tid] = q * rsqrtf(nq + 1e-6f) * rsqrtf((float)dk);
+        ks[tid] = k * rsqrtf(nk + 1e-6f);
+    }
+    const float beta = sigmoid_f(xb);
+    const float decay = __expf(-ealog * softplus_f(xa + dtb));
+    cp_async_wait<0>();
+    __syncthreads();  // qs, ks, vs and the state are in place
+    float m = 0.f;
+    if (active)
+        for (int i = rg; i < dk; i += 4) {
+            const float sv = sst[i * dv + col] * decay;
+            sst[i * dv + col] = sv;  // only this thread reads or writes this (row, column)
+            m = fmaf(sv, ks[i], m);
+        }
+    part[rg][col] = m;
+    __syncthreads();
+    m = part[0][col] + part[1][col] + part[2][col] + part[3][col];
+    const float delta = active ? beta * (vs[col] - m) : 0.f;
+    float o = 0.f;
+    if (active)
+        for (int i = rg; i < dk; i += 4) {
+            const float sv = fmaf(ks[i], delta, sst[i * dv + col]);
+            S[(long)i * dv + col] = sv;
+            o = fmaf(sv, qs[i], o);
+        }
+    __syncthreads();  // every thread has read part (m) before it is reused
+    part[rg][col] = o;
+    __syncthreads();
+    o = part[0][col] + part[1][col] + part[2][col] + part[3][col];
+    if (rg == 0) {
+        const float t = warp_sum(active ? o * o : 0.f);
+        if (lane == 0) red[2][chunk] = t;
+    }
+    __syncthreads();
+    if (rg == 0 && active) {
+        float ss = 0.f;
+        for (int c = 0; c < C; c++) ss += red[2][c];
+        out[h * dv + col] = to_act<__nv_bfloat16>(o * rsqrtf(ss / dv + eps) * gn * silu_f(xz));
+    }
 }

@@ -10,14 +10,16 @@
 //                   0.5 MB) through chunk_dot, the decode router's arithmetic. Where router_rows (prefill.cu) runs
 //                   5 blocks of 64 x 64 outputs for any n <= 64, this runs (rows / 16) x (n / 4) small ones.
 //                   Bytes rows*cols*BITS/8 per token group (L2) + 4*n*cols. FLOPs 2*n*rows*cols.
-// gemv_seqs_q4      y[t, r] (+)= W[r] . x[t] for bf16 x [n, cols] (row stride cols), y f32 [n, ldy]: the dense
-//                   projections of a few tokens whose matrices have few rows (out_proj, o_proj: 2048 rows, where the
-//                   GEMM's 128-row tiles make 16 blocks): grid (n / 4, rows / 32), token groups fastest (the blocks
-//                   of one row range run together, so the weights come from DRAM once and from L2 for the other
-//                   token groups); each warp streams 4 rows, the first chunks loaded before the dependency wait.
-//                   Bytes rows*cols/2 (+scales) + n*cols*2 per row block (L2). FLOPs 2*n*rows*cols. Measured on
-//                   the H200 at n = 32: 49 us for 2048 x 4096 (the GEMM 108), but 137 us for 12352 x 2048 (the GEMM
-//                   40: one block's staging and one round of loads, 12 waves), so only the few-row matrices use it.
+// dense_seqs_w{1,2}_k{1,4}  y[t, r] (+)= W[r] . x[t] for the n <= 64 bf16 rows of x [n, cols] (row stride cols)
+//                   and a 4-bit matrix W [rows, cols], y f32 [n, ldy] (add: += , the residual): the batched step's
+//                   dense projections and lm_head, on tensor cores like the experts below (W = 2 k-blocks of 64
+//                   columns where the group size and cols allow). Grid (ceil(n / 8), ceil(rows / (128 / KS))): one
+//                   block per 8 tokens and 128 / KS rows, token groups fastest (the blocks of one row range run
+//                   together, so the weights come from DRAM once and from L2 for the other token groups); KS = 4
+//                   splits each block's columns over its 4 warps (32 rows a block) for matrices that would make too
+//                   few blocks (out_proj, o_proj: 2048 rows; any matrix at n <= 8). Requirements (host): rows >= 16,
+//                   cols a multiple of 32 W KS and of the group size x KS, group size 32 << gshift >= 32 W.
+//                   Bytes rows*cols/2 (+ scales) from DRAM + 16*cols per block (x, L2). FLOPs 2*n*rows*cols.
 // moe_gate_up_seqs_w{1,2}  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t,
 //                   expert e) of tile blockIdx.y (t = rowmap[p]), j in [64 blockIdx.x, +64) of the expert's n = I (or
 //                   Is for the shared expert E); xn f32 [N, H] (the post-norm rows), act bf16 [pairs, ld]. 128
@@ -36,8 +38,6 @@
 
 #define RS_R 16   // router rows per block (2 per warp)
 #define RS_TG 4   // router tokens per block
-#define GV_R 32   // gemv_seqs rows per block (4 per warp)
-#define GV_TG 4   // gemv_seqs tokens per block
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
@@ -90,7 +90,8 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ src, long ld, c
 // straight from global memory (8- or 4-byte loads that fill whole sectors per row), MM_PF k-blocks ahead in
 // registers; the block's scales and biases are copied once into shared memory (copy_scales: as 2-byte loads per
 // k-block they were 2/3 of the L2 traffic); the first k-blocks and the scales are in flight while the block stages
-// its activations. Measured on the H200 at B = 32: gate|up 122 us, down 61 us a call (~3x the bytes' floor).
+// its activations. Measured on the H200 at B = 32: gate|up 96 us, down 54 us a call (2.4x / 2.7x the bytes' floor;
+// Nsight Compute's stall sampling puts most stalls on the first use of each k-block's weights).
 #define MM_PF 6      // k-blocks in flight per warp
 #define MM_R 2       // 16-row items per warp
 #define MM_WARPS 4   // warps per block (128 threads)
@@ -108,15 +109,22 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
     // read adjacent 32 bytes); the 4 W units of one (kb, t) are adjacent lanes, and units is a multiple of 4 W, so a
     // shuffle group is all in range or all out
     const int units = nt * (cols / 8);
+    // q / nt as a multiply and a shift (exact for nt <= 8 and q < 8192; q < nt cols / 32 here): the runtime
+    // divisions were most of the staging's instructions
+    const unsigned magic = (65536u + nt - 1) / nt;
     for (int u0 = 0; u0 < units; u0 += 4 * blockDim.x) {  // uniform trip count: the shuffles see every lane
         // f32: two float4 of the unit's 8 columns; bf16: one uint4 (as raw words in va[k].x..w)
         float4 va[4], vb[4];
+        int slot[4];  // where the unit goes: ((kb W + i) MM_TG + t) 4 + c
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int u = u0 + k * blockDim.x + threadIdx.x;
             va[k] = vb[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+            slot[k] = 0;
             if (u < units) {
-                const int i = u % W, c = (u / W) & 3, t = (u / (4 * W)) % nt, kb = u / (4 * W * nt);
+                const int i = u & (W - 1), c = (u / W) & 3, q = u / (4 * W);
+                const int kb = (int)(((unsigned)q * magic) >> 16), t = q - kb * nt;
+                slot[k] = ((kb * W + i) * MM_TG + t) * 4 + c;
                 const long row = direct ? (long)(p0 + t) : (long)rowmap[p0 + t];
                 const T* p = src + row * ld + kb * 32 * W + 8 * (c * W + i);
                 if constexpr (sizeof(T) == 4) {
@@ -154,13 +162,23 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
 #pragma unroll
             for (int o = 1; o < 4 * W; o <<= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
             if (u < units) {
-                const int i = u % W, c = (u / W) & 3, t = (u / (4 * W)) % nt, kb = u / (4 * W * nt);
-                xs[((kb * W + i) * MM_TG + t) * 4 + c] = q;
-                if ((u & (4 * W - 1)) == 0) xsum[kb * MM_TG + t] = sum;
+                xs[slot[k]] = q;
+                // the first unit of a (kb, t) has slot (kb W MM_TG + t) 4: xsum index kb MM_TG + t
+                const int kt = slot[k] >> 2;
+                if ((u & (4 * W - 1)) == 0) xsum[kt / (W * MM_TG) * MM_TG + (kt & (MM_TG - 1))] = sum;
             }
         }
     }
     __syncthreads();
+}
+
+// A weight load: the read-only path with a 256-byte L2 prefetch (ld.global.nc.L2::256B). Measured on the H200 (one
+// binary switching between them): against plain __ldg, the B = 32 step 14.6 -> 13.7 ms; .cg 14.3, a coherent
+// ld.global 14.7, .cs 17.0, L1::no_allocate 16.5.
+__device__ __forceinline__ uint2 mm_load2(const uint2* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
 }
 
 // bf16 pair (128 + q_p, 128 + q_p+4) of packed word w
@@ -227,7 +245,7 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
             for (int h = 0; h < 2; h++) {
                 const uint32_t* p = m.wr[r] + h * m.wstep + kb * 4 * W;
                 if (W == 2) {
-                    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+                    const uint2 v = mm_load2(reinterpret_cast<const uint2*>(p));
                     blk.w[r][h][0] = v.x;
                     blk.w[r][h][W - 1] = v.y;
                 } else {
@@ -252,15 +270,18 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
                 const float2 xsm = *reinterpret_cast<const float2*>(xsum + kb * MM_TG + 2 * c);
 #pragma unroll
                 for (int r = 0; r < MM_R; r++) {
-                    float cb[4] = {0.f, 0.f, 0.f, 0.f};
+                    // two accumulators: the mma chains of a k-block are half as long
+                    float cb[4] = {0.f, 0.f, 0.f, 0.f}, cb2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                     for (int i = 0; i < W; i++) {
                         const uint32_t w0 = buf[u].w[r][0][i], w1 = buf[u].w[r][1][i];
                         const uint32_t a0[4] = {q4_pair(w0, 0), q4_pair(w1, 0), q4_pair(w0, 1), q4_pair(w1, 1)};
                         mma_bf16(cb, a0, x[i].x, x[i].y);
                         const uint32_t a1[4] = {q4_pair(w0, 2), q4_pair(w1, 2), q4_pair(w0, 3), q4_pair(w1, 3)};
-                        mma_bf16(cb, a1, x[i].z, x[i].w);
+                        mma_bf16(cb2, a1, x[i].z, x[i].w);
                     }
+#pragma unroll
+                    for (int v = 0; v < 4; v++) cb[v] += cb2[v];
                     const __nv_bfloat16* sp = m.sr[r] + ((kb * W) >> gshift);
                     const float s0 = bf(sp[0]), s1 = bf(sp[m.sstep]);
                     const float b0 = fmaf(-128.f, s0, bf(sp[m.bdelta])), b1 = fmaf(-128.f, s1, bf(sp[m.bdelta + m.sstep]));
@@ -412,81 +433,94 @@ __device__ __forceinline__ void moe_down_mma(const uint32_t* __restrict__ w, con
 MOE_MMA(1)
 MOE_MMA(2)
 
-// gemv_seqs_q4: see the contract at the top. Dynamic shared memory: x [GV_TG][padx_len(cols)] | sums [GV_TG][cols/32].
-extern "C" __global__ void __launch_bounds__(256) gemv_seqs_q4(
-    const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s, const __nv_bfloat16* __restrict__ b,
-    int rows, int cols, int gshift, const __nv_bfloat16* __restrict__ x, int n, float* __restrict__ y, int ldy,
-    int add) {
-    KTRACE(46);
+// dense_seqs_w{W}_k{KS}: see the contract at the top. Block: 4 warps over 128 / KS rows; warp w takes the k-blocks
+// of split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the
+// splits' sums meet in shared memory in split order (deterministic). Item starts are clamped to rows - 16 (an item
+// past the end recomputes rows of the one before and stores only its own). Shared memory: xs [cols / 8 * MM_TG]
+// uint4 | xsum [nk][MM_TG] | scales, biases [2][128 / KS][sst] | partials [KS - 1][128 / KS rows x 8 tokens].
+template <int W, int KS>
+__device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                          const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift,
+                                          const __nv_bfloat16* __restrict__ x, int n, float* __restrict__ y, int ldy,
+                                          int add) {
+    constexpr int RB = MM_WARPS * MM_R * 16 / KS;  // rows per block
     extern __shared__ __align__(16) unsigned char smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nvec = cols / 32, ng = cols >> (gshift + 5), xstride = padx_len(cols);
-    float* xs = reinterpret_cast<float*>(smem);
-    float* cs = xs + GV_TG * xstride;
-    const int t0 = blockIdx.x * GV_TG, nt = min(GV_TG, n - t0);
-    const int r0 = blockIdx.y * GV_R + 4 * warp;
-    const uint4* wr[4];
-    const __nv_bfloat16 *sr[4], *br[4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int ks = warp % KS, wi = warp / KS;
+    const int t0 = blockIdx.x * MM_TG, nt = min(MM_TG, n - t0);
+    const int r0 = blockIdx.y * RB;
+    const int nk = cols / (32 * W), ng = cols >> (gshift + 5), rw = cols / 8, nkw = nk / KS;
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    float* xsum = reinterpret_cast<float*>(xs + cols);
+    __nv_bfloat16* ss = reinterpret_cast<__nv_bfloat16*>(xsum + nk * MM_TG);
+    const int sst = mma_scale_stride(ng);
+    float* red = reinterpret_cast<float*>(ss + 2 * RB * sst);
+    // the block's scale rows [sb, re): its rows, or the last 16 when fewer are left
+    const int sb = max(0, min(r0, rows - 16)), re = min(r0 + RB, rows);
+    MmaRows m;
+    m.wstep = 8L * rw;  // rows g + 8
+    m.sstep = 8 * sst;
+    m.bdelta = RB * sst;
+    copy_scales(s, b, 0, sb, re - sb, ng, ss, sst, m.bdelta, 0);
+    int rr[MM_R], rs[MM_R];
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const int row = min(r0 + q, rows - 1);  // a valid address; a row past the end is never stored
-        wr[q] = reinterpret_cast<const uint4*>(w) + (long)row * nvec;
-        sr[q] = s + (long)row * ng;
-        br[q] = b + (long)row * ng;
+    for (int q = 0; q < MM_R; q++) {
+        rr[q] = r0 + 32 * wi + 16 * q;
+        rs[q] = max(0, min(rr[q], rows - 16));
+        m.wr[q] = w + (long)(rs[q] + g) * rw + c * W + (long)ks * nkw * 4 * W;
+        m.sr[q] = ss + (rs[q] + g - sb) * sst + ((ks * nkw * W) >> gshift);
     }
-    // chunks u0 + 32a of this lane's 4 rows, loaded into wv/sc/bs (clamped: a valid address, result unused)
-    uint4 wv[2][4];
-    float sc[2][4], bs[2][4];
-    auto load = [&](int u0) {
+    float tot[MM_R][4];
+    rows_mma<W>(m, nkw, gshift, nt, xs + ks * nkw * W * 32, xsum + ks * nkw * MM_TG,
+                [&] {
+                    pdl_wait();          // x (and y when adding) come from the previous kernels
+                    cp_async_wait<0>();  // the scales (made visible by stage_mma's barrier)
+                    stage_mma<W>(x, cols, nullptr, t0, nt, cols, true, xs, xsum);
+                },
+                tot);
+    if (KS > 1) {
+        float* mine = red + ((ks - 1) * (RB / 32) + wi) * (MM_R * 4 * 32);
+        if (ks > 0)
 #pragma unroll
-        for (int a = 0; a < 2; a++) {
-            const int u = min(u0 + 32 * a, nvec - 1);
-            const int g = u >> gshift;
+            for (int q = 0; q < MM_R; q++)
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                wv[a][q] = __ldg(wr[q] + u);
-                sc[a][q] = bf(sr[q][g]);
-                bs[a][q] = bf(br[q][g]);
+                for (int v = 0; v < 4; v++) mine[(q * 4 + v) * 32 + lane] = tot[q][v];
+        __syncthreads();
+        if (ks > 0) return;
+        for (int k2 = 1; k2 < KS; k2++) {
+            const float* o = red + ((k2 - 1) * (RB / 32) + wi) * (MM_R * 4 * 32);
+#pragma unroll
+            for (int q = 0; q < MM_R; q++)
+#pragma unroll
+                for (int v = 0; v < 4; v++) tot[q][v] += o[(q * 4 + v) * 32 + lane];
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < MM_R; q++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = rs[q] + g + 8 * h;
+            if (row < rr[q] || row >= re) continue;  // another item's row, or past the end
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                if (2 * c + j >= nt) continue;
+                float* dst = y + (long)(t0 + 2 * c + j) * ldy + row;
+                *dst = add ? *dst + tot[q][2 * h + j] : tot[q][2 * h + j];
             }
         }
-    };
-    load(lane);  // weights: in flight while the previous kernel finishes and x is staged
-    pdl_wait();  // x comes from the previous kernel
-    stage_rows<GV_TG, 32, __nv_bfloat16>(x, cols, nullptr, t0, nt, cols, true, xs, xstride, cs);
-    __syncthreads();
-    float tot[GV_TG][4];
-#pragma unroll
-    for (int t = 0; t < GV_TG; t++) tot[t][0] = tot[t][1] = tot[t][2] = tot[t][3] = 0.f;
-#pragma unroll 1
-    for (int u0 = lane; u0 < nvec; u0 += 64) {
-#pragma unroll
-        for (int a = 0; a < 2; a++) {
-            const int u = u0 + 32 * a;
-            if (u < nvec) {
-#pragma unroll
-                for (int t = 0; t < GV_TG; t++)
-                    if (t < nt) chunk_dot<4, 4>(wv[a], xs + t * xstride + padx(u * 32), sc[a], bs[a], cs[t * nvec + u], tot[t]);
-            }
-        }
-        if (u0 + 64 < nvec) load(u0 + 64);
-    }
-#pragma unroll
-    for (int t = 0; t < GV_TG; t++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) tot[t][q] = warp_sum(tot[t][q]);
-    // lane 4t + q stores token t, row r0 + q
-    float v = 0.f;
-#pragma unroll
-    for (int t = 0; t < GV_TG; t++)
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-            if (lane == 4 * t + q) v = tot[t][q];
-    const int t = lane >> 2, row = r0 + (lane & 3);
-    if (lane < 4 * GV_TG && t < nt && row < rows) {
-        float* dst = y + (long)(t0 + t) * ldy + row;
-        *dst = add ? *dst + v : v;
-    }
 }
+
+#define DENSE_MMA(W, KS)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128, 4) dense_seqs_w##W##_k##KS(                                  \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,       \
+        const __nv_bfloat16* x, int n, float* y, int ldy, int add) {                                             \
+        KTRACE(46);                                                                                              \
+        dense_mma<W, KS>(w, s, b, rows, cols, gshift, x, n, y, ldy, add);                                        \
+    }
+DENSE_MMA(1, 1)
+DENSE_MMA(2, 1)
+DENSE_MMA(1, 4)
+DENSE_MMA(2, 4)
 
 template <int BITS>
 __device__ __forceinline__ void router_seqs_body(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,

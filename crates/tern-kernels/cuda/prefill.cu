@@ -198,15 +198,37 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(const int* __restri
         atomicAdd(&cnt[idx[n * (k + 1) + s]], 1);
     }
     __syncthreads();
-    if (tid == 0) {
-        int o = 0, t = 0;
-        for (int e = 0; e <= E; e++) {
-            off[e] = o;
-            tile_off[e] = t;
-            o += cnt[e];
-            t += (cnt[e] + bn - 1) / bn;
+    {
+        // exclusive prefix sums of the counts and tile counts over the E + 1 <= blockDim experts, both in one 64-bit
+        // word (counts high, tiles low; each total < 2^31): a warp scan, then a scan of the 32 warps' totals
+        __shared__ unsigned long long wsum[32];
+        const int lane = tid & 31, wid = tid >> 5;
+        const unsigned long long v =
+            tid <= E ? ((unsigned long long)cnt[tid] << 32) | (unsigned)((cnt[tid] + bn - 1) / bn) : 0ull;
+        unsigned long long inc = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned long long t = __shfl_up_sync(FULL_MASK, inc, o);
+            if (lane >= o) inc += t;
         }
-        *ntile = t;
+        if (lane == 31) wsum[wid] = inc;
+        __syncthreads();
+        if (wid == 0) {
+            unsigned long long w = lane < (int)(blockDim.x >> 5) ? wsum[lane] : 0ull;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned long long t = __shfl_up_sync(FULL_MASK, w, o);
+                if (lane >= o) w += t;
+            }
+            wsum[lane] = w;
+        }
+        __syncthreads();
+        const unsigned long long excl = inc - v + (wid > 0 ? wsum[wid - 1] : 0ull);
+        if (tid <= E) {
+            off[tid] = (int)(excl >> 32);
+            tile_off[tid] = (int)(excl & 0xffffffffull);
+        }
+        if (tid == E) *ntile = (int)((excl + v) & 0xffffffffull);
     }
     __syncthreads();
     for (int e = tid; e <= E; e += blockDim.x) {
@@ -233,19 +255,38 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(const int* __restri
     }
 }
 
+// grid (N, ceil(H / 1024)) of 256 threads, 4 columns a thread (H % 4 == 0); the k + 1 rows' loads are issued
+// together (16 at a time), then summed in slot order.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __restrict__ ybuf,
                                                               const int* __restrict__ pos,
                                                               const float* __restrict__ wts, int k, int H,
                                                               float* __restrict__ x) {
+    constexpr int SLOTS = 16;
     pdl_wait();
-    const int n = blockIdx.x;
+    const int n = blockIdx.x, c = 4 * (blockIdx.y * blockDim.x + threadIdx.x);
+    if (c >= H) return;
     const int* pn = pos + (long)n * (k + 1);
     const float* wn = wts + (long)n * (k + 1);
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
-        float acc = x[(long)n * H + c];
-        for (int s = 0; s <= k; s++) acc = fmaf(wn[s], ybuf[(long)pn[s] * H + c], acc);
-        x[(long)n * H + c] = acc;
+    float4 acc = *reinterpret_cast<const float4*>(x + (long)n * H + c);
+    for (int s0 = 0; s0 <= k; s0 += SLOTS) {
+        float4 v[SLOTS];
+        float wv[SLOTS];
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++)
+            if (s0 + j <= k) {
+                wv[j] = wn[s0 + j];
+                v[j] = *reinterpret_cast<const float4*>(ybuf + (long)pn[s0 + j] * H + c);
+            }
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++)
+            if (s0 + j <= k) {
+                acc.x = fmaf(wv[j], v[j].x, acc.x);
+                acc.y = fmaf(wv[j], v[j].y, acc.y);
+                acc.z = fmaf(wv[j], v[j].z, acc.z);
+                acc.w = fmaf(wv[j], v[j].w, acc.w);
+            }
     }
+    *reinterpret_cast<float4*>(x + (long)n * H + c) = acc;
 }
 
 // ---- Gated DeltaNet

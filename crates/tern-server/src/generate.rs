@@ -271,6 +271,7 @@ impl Run {
         match ev {
             Event::Token { text, logprob, .. } => {
                 c.tokens += 1;
+                self.info.token();
                 if let Some(lp) = logprob {
                     c.logprobs.push(lp);
                 }

@@ -1,14 +1,14 @@
 //! Every request through the application, and its log line: one stderr line per request, written when its
 //! response body has been sent or dropped, or when the request is dropped before it has a response (its client
-//! went away while it was queued or generating): method, path, status (`-`: none was sent), tokens, time, and
-//! how it ended (`end=stop|length|tool_calls|ok|client_gone|cut_at_shutdown|error ...`).
+//! went away while it was queued or generating): method, path, status (`-`: none was sent), tokens, time, the
+//! time to its first generated token (`ttft=`, where it had one), and how it ended (`end=stop|length|tool_calls|ok|client_gone|cut_at_shutdown|error ...`).
 //!
 //! Also the last guard of the error shape: an error response that is not JSON (a rejection from deep in the
 //! framework) is rewritten as an OpenAI error.
 
 use std::convert::Infallible;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -26,14 +26,34 @@ use crate::conn::Busy;
 use crate::{Phase, Shared};
 
 /// What a handler reports about its request, for the log line.
-#[derive(Default)]
 pub(crate) struct RequestInfo {
+    start: Instant,
     prompt: AtomicUsize,
     completion: AtomicUsize,
+    /// Microseconds from `start` to the first generated token (0: none yet).
+    first_us: AtomicU64,
     end: Mutex<Option<String>>,
 }
 
 impl RequestInfo {
+    fn new(start: Instant) -> RequestInfo {
+        RequestInfo {
+            start,
+            prompt: AtomicUsize::new(0),
+            completion: AtomicUsize::new(0),
+            first_us: AtomicU64::new(0),
+            end: Mutex::new(None),
+        }
+    }
+
+    /// A token was generated (the first one sets the request's time to first token).
+    pub fn token(&self) {
+        if self.first_us.load(Ordering::Relaxed) == 0 {
+            let us = (self.start.elapsed().as_micros() as u64).max(1);
+            let _ = self.first_us.compare_exchange(0, us, Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+
     pub fn tokens(&self, prompt: usize, completion: usize) {
         self.prompt.store(prompt, Ordering::Relaxed);
         self.completion.store(completion, Ordering::Relaxed);
@@ -52,10 +72,11 @@ pub(crate) async fn handle(
     req: hyper::Request<Incoming>,
     busy: Busy,
 ) -> Result<Response, Infallible> {
-    let info = Arc::new(RequestInfo::default());
+    let t0 = Instant::now();
+    let info = Arc::new(RequestInfo::new(t0));
     let mut line = Line {
         what: format!("{} {}", req.method(), clip(req.uri().path())),
-        t0: Instant::now(),
+        t0,
         info: info.clone(),
         status: None,
         error: None,
@@ -147,7 +168,11 @@ impl Drop for Line {
             reported.or_else(|| self.error.clone()).unwrap_or_else(|| "ok".to_owned())
         };
         let status = self.status.map_or("-".to_owned(), |s| s.as_u16().to_string());
-        eprintln!("{} {status} prompt={p} completion={c} {ms:.0}ms end={end}", self.what);
+        let ttft = match info.first_us.load(Ordering::Relaxed) {
+            0 => String::new(),
+            us => format!(" ttft={:.0}ms", us as f64 / 1e3),
+        };
+        eprintln!("{} {status} prompt={p} completion={c} {ms:.0}ms{ttft} end={end}", self.what);
     }
 }
 
