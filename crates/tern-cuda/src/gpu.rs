@@ -276,6 +276,7 @@ impl Gpu {
         let n = CudaContext::device_count().context("no CUDA device: cuDeviceGetCount failed")?;
         ensure!(n > 0, "no CUDA device");
         let ctx = CudaContext::new(0).context("cannot create a CUDA context on device 0")?;
+        keep_freed_memory(0)?;
         // SAFETY: tern uses a single stream per context; cross-stream event tracking is not needed, and it must
         // be off so that graph capture records kernels only.
         unsafe { ctx.disable_event_tracking() };
@@ -852,4 +853,26 @@ impl Gpu {
         unsafe { l.launch(cfg((self.sms * 8, 1), 256, 0)) }?;
         Ok(())
     }
+}
+
+/// Keep device memory that is freed (a finished sequence, a dropped prefix-cache snapshot) in the device's default
+/// memory pool, where cudarc's stream-ordered allocations come from, instead of returning it to the driver at every
+/// synchronisation (the pool's default release threshold is 0): the next sequence's buffers then come from the pool
+/// without mapping new memory. Allocation still fails with an error once the device is full.
+fn keep_freed_memory(ordinal: i32) -> Result<()> {
+    let dev = cudarc::driver::result::device::get(ordinal)?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: plain driver calls on a valid device (its context was just created): the default pool's handle is
+    // written to `pool`; the release-threshold attribute reads one u64 through the pointer.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, dev).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()?;
+    }
+    Ok(())
 }
