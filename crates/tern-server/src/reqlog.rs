@@ -1,7 +1,8 @@
 //! Every request through the application, and its log line: one stderr line per request, written when its
 //! response body has been sent or dropped, or when the request is dropped before it has a response (its client
 //! went away while it was queued or generating): method, path, status (`-`: none was sent), tokens, time, the
-//! time to its first generated token (`ttft=`, where it had one), and how it ended (`end=stop|length|tool_calls|ok|client_gone|cut_at_shutdown|error ...`).
+//! time from its arrival to its first generated token (`ttft=`, where it had one), and how it ended
+//! (`end=stop|length|tool_calls|ok|client_gone|cut_at_shutdown|error ...`).
 //!
 //! Also the last guard of the error shape: an error response that is not JSON (a rejection from deep in the
 //! framework) is rewritten as an OpenAI error.
@@ -218,5 +219,24 @@ impl Drop for Logged {
             // A body with nothing to send (hyper never polls it) is complete.
             line.completed = self.inner.is_end_stream();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first token sets the time to first token; later ones leave it.
+    #[test]
+    fn first_token_sets_ttft_once() {
+        let info = RequestInfo::new(Instant::now());
+        assert_eq!(info.first_us.load(Ordering::Relaxed), 0, "no token yet");
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        info.token();
+        let first = info.first_us.load(Ordering::Relaxed);
+        assert!(first >= 3000, "ttft {first} us after a 3 ms wait");
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        info.token();
+        assert_eq!(info.first_us.load(Ordering::Relaxed), first, "a later token moved the time to first token");
     }
 }
