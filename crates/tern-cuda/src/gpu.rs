@@ -408,7 +408,7 @@ impl Gpu {
             let mk = || unsafe { self.ctx.alloc_pinned_with_flags::<u8>(STAGE_BYTES, 0) };
             *guard = Some(Staging { bufs: [mk()?, mk()?], done: [None, None], next: 0 });
         }
-        let st = guard.as_mut().expect("staging buffers allocated above");
+        let st = guard.as_mut().context("staging buffers")?;
         let mut off = 0u64;
         for part in parts {
             // SAFETY: T is a plain device type (DeviceRepr: u32/u16/f32/i32); viewing its bytes is sound.

@@ -377,7 +377,7 @@ impl DeviceState {
             r?;
             self.graph = Some(graph?.context("empty graph")?);
         }
-        self.graph.as_ref().unwrap().launch()?;
+        self.graph.as_ref().context("the step graph")?.launch()?;
         self.len += 1;
         Ok(())
     }
