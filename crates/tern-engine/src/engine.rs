@@ -234,6 +234,9 @@ impl std::fmt::Display for SubmitError {
 
 impl std::error::Error for SubmitError {}
 
+/// Upper bounds (seconds) of the time-to-first-token histogram's buckets (/metrics; +Inf is the count).
+pub const TTFT_BUCKETS: [f64; 12] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
 /// Counters for /metrics.
 #[derive(Default)]
 pub struct Stats {
@@ -241,9 +244,11 @@ pub struct Stats {
     pub prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
-    /// Sum of time-to-first-token, microseconds, and how many requests it covers.
+    /// Sum of time-to-first-token, microseconds, and how many requests it covers; and how many fell at or below
+    /// each of [`TTFT_BUCKETS`] (and above the one before: the histogram's non-cumulative counts).
     pub ttft_us: AtomicU64,
     pub ttft_count: AtomicU64,
+    pub ttft_buckets: [AtomicU64; TTFT_BUCKETS.len()],
     /// Time spent generating tokens after the first, microseconds.
     pub decode_us: AtomicU64,
     /// Requests queued (a request whose client has gone stops counting at once).
@@ -956,8 +961,12 @@ fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: 
     let now = Instant::now();
     if a.first_token.is_none() {
         a.first_token = Some(now);
-        stats.ttft_us.fetch_add((now - a.job.received).as_micros() as u64, Ordering::Relaxed);
+        let ttft = now - a.job.received;
+        stats.ttft_us.fetch_add(ttft.as_micros() as u64, Ordering::Relaxed);
         stats.ttft_count.fetch_add(1, Ordering::Relaxed);
+        if let Some(b) = TTFT_BUCKETS.iter().position(|&b| ttft.as_secs_f64() <= b) {
+            stats.ttft_buckets[b].fetch_add(1, Ordering::Relaxed);
+        }
         stats.prompt_tokens.fetch_add(a.usage.prompt_tokens as u64, Ordering::Relaxed);
         stats.cached_tokens.fetch_add(a.usage.cached_tokens as u64, Ordering::Relaxed);
     }

@@ -637,6 +637,7 @@ async fn detokenize(State(st): State<Shared>, body: RawBody) -> Result<Json<Valu
 
 async fn metrics(State(st): State<Shared>) -> Response {
     let mut out = String::new();
+    let mut histograms = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, value: f64| {
         out.push_str(&format!("# HELP tern_{name} {help}\n# TYPE tern_{name} {kind}\ntern_{name} {value}\n"));
     };
@@ -673,8 +674,20 @@ async fn metrics(State(st): State<Shared>) -> Response {
             get(&s.cached_tokens),
         );
         metric("completion_tokens_total", "counter", "tokens generated", completion);
-        metric("time_to_first_token_seconds_sum", "counter", "sum of time to first token", get(&s.ttft_us) / 1e6);
-        metric("time_to_first_token_seconds_count", "counter", "requests with a first token", ttft_n);
+        histograms.push_str(
+            "# HELP tern_time_to_first_token_seconds time from a request's arrival at the engine to its first token\n\
+             # TYPE tern_time_to_first_token_seconds histogram\n",
+        );
+        let mut below = 0.0;
+        for (le, n) in tern_engine::engine::TTFT_BUCKETS.iter().zip(&s.ttft_buckets) {
+            below += get(n);
+            histograms.push_str(&format!("tern_time_to_first_token_seconds_bucket{{le=\"{le}\"}} {below}\n"));
+        }
+        histograms.push_str(&format!(
+            "tern_time_to_first_token_seconds_bucket{{le=\"+Inf\"}} {ttft_n}\ntern_time_to_first_token_seconds_sum {}\n\
+             tern_time_to_first_token_seconds_count {ttft_n}\n",
+            get(&s.ttft_us) / 1e6
+        ));
         let tps = if decode_s > 0.0 { (completion - ttft_n).max(0.0) / decode_s } else { 0.0 };
         metric("decode_tokens_per_second", "gauge", "tokens per second of one sequence after its first", tps);
         metric("queue_depth", "gauge", "requests waiting for a slot", s.waiting.load(Ordering::Relaxed) as f64);
@@ -711,6 +724,7 @@ async fn metrics(State(st): State<Shared>) -> Response {
         metric("prefix_cache_entries", "gauge", "sequence snapshots the prefix cache holds", entries as f64);
         metric("prefix_cache_bytes", "gauge", "backend state bytes the prefix cache holds (bounded)", bytes as f64);
     }
+    out.push_str(&histograms);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 

@@ -100,3 +100,37 @@ fn prefix_cache_bound_of_zero_keeps_nothing() {
         server.stop();
     }
 }
+
+/// /metrics has the time to first token as a Prometheus histogram: cumulative buckets that never decrease, +Inf
+/// equal to the count, one entry per request that got a token.
+#[test]
+fn metrics_time_to_first_token_is_a_histogram() {
+    let Some(qwen) = common::setup("metrics_time_to_first_token_is_a_histogram") else { return };
+    let server = common::Server::start(
+        move || Model::with_backend(&qwen, Arc::new(ScriptedBackend::new(248320, vec![11, 12]))),
+        ServeOptions::default(),
+    );
+    let t0 = std::time::Instant::now();
+    while common::http(&server.root, "GET", "/health", None).0 != 200 {
+        assert!(t0.elapsed().as_secs() < 60, "never ready");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    for p in [[5, 6], [7, 8], [9, 10]] {
+        let body = format!(r#"{{"prompt": {p:?}, "max_tokens": 2, "temperature": 0}}"#);
+        assert_eq!(common::http(&server.root, "POST", "/v1/completions", Some(&body)).0, 200);
+    }
+    let (_, metrics) = common::http(&server.root, "GET", "/metrics", None);
+    let name = "tern_time_to_first_token_seconds";
+    assert!(metrics.contains(&format!("# TYPE {name} histogram")), "{metrics}");
+    let value = |line: &str| line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+    let buckets: Vec<f64> =
+        metrics.lines().filter(|l| l.starts_with(&format!("{name}_bucket{{"))).filter_map(value).collect();
+    let count = metrics.lines().find(|l| l.starts_with(&format!("{name}_count "))).and_then(value);
+    let sum = metrics.lines().find(|l| l.starts_with(&format!("{name}_sum "))).and_then(value);
+    println!("ttft histogram: buckets {buckets:?}, count {count:?}, sum {sum:?}");
+    assert!(buckets.len() > 2 && buckets.windows(2).all(|w| w[0] <= w[1]), "buckets not cumulative: {buckets:?}");
+    assert_eq!(count, Some(3.0), "{metrics}");
+    assert_eq!(buckets.last().copied(), count, "+Inf bucket != count");
+    assert!(sum.is_some_and(|s| s > 0.0), "{metrics}");
+    server.stop();
+}
