@@ -8,6 +8,7 @@
 #   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
 #   tools/cuda-run.sh soak-start SECS [clients], then soak-wait  a soak longer than one call (two calls back to back)
 #   tools/cuda-run.sh ncu [kernel regex]  Nsight Compute on the batched decode's kernels (NCU_SKIP, NCU_COUNT)
+#   tools/cuda-run.sh stalls REGEX SKIP   per-instruction stall sampling of one launch (tools/ncu_stalls.py)
 # The environment passes through (TERN_BATCH_DECODE=0 / TERN_GPU_SAMPLING=0 turn the batched step and GPU sampling
 # off, TERN_BATCH_GRAPHS=0 its graphs; TERN_STEP_LOG=1 logs every engine step to serve.log; MAX_CONCURRENT, default 64).
 set -u
@@ -57,6 +58,23 @@ ncu)
     >"$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?"
   grep -E "^  [a-z_]+seqs|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Block Limit|Warp Cycles Per Issued|No Eligible|One or More Eligible|Stall" "$OUT/ncu.txt" | head -120
+  ;;
+stalls)
+  # where one launch of a kernel waits: Nsight Compute's stall sampling per SASS instruction, summarised by
+  # tools/ncu_stalls.py. The bench runs at ctx 4096 so that its prefill takes the GEMMs, not the streamed kernels:
+  # the batched table then runs 96 steps per batch size in the order 1, 2, 4, 8, 16, 32, 64, so SKIP = 5 x 96 x
+  # (the regex's launches per step) lands on the first step at B = 32 (moe_gate_up_seqs: 40 a step, SKIP 19200;
+  # dense_seqs_w2_k1: only the lm_head below B = 32, SKIP 480 for B = 32's first in_proj).
+  regex=${1:?kernel regex}
+  skip=${2:?launches to skip}
+  ncu --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --section SpeedOfLight -o "$OUT/stalls" \
+    ./.carry/tern bench --backend cuda --random-weights --config .carry/qwen --ctx 4096 --repeats 1 >"$OUT/stalls.log" 2>&1
+  echo "ncu rc=$?"
+  ncu --import "$OUT/stalls.ncu-rep" --page source --csv --print-source sass >"$OUT/stalls.csv" 2>&1
+  ncu --import "$OUT/stalls.ncu-rep" --page details 2>&1 | grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput|Warp Cycles Per Issued" | head
+  python3 .carry/ncu_stalls.py "$OUT/stalls.csv" --top 40 | tee "$OUT/stalls.txt"
+  rm -f "$OUT/stalls.ncu-rep" "$OUT/stalls.csv"
   ;;
 serve | soak)
   # a full-shape random 4-bit checkpoint with the real tokenizer (kept in /tmp while the machine stays warm), served
