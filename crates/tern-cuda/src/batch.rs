@@ -14,8 +14,8 @@
 //!   attn_decode_kv_seqs (flash-decoding splits over keys 0..=pos) → attn_combine_seqs (+ output gate → bf16) →
 //!   dense_seqs (o_proj, + residual).
 //! - MoE: router and sort as the prefill (`prefill::moe_rows`), then the streamed expert kernels of moe_seqs.cu.
-//! - Then the final norm, the lm_head (dense_seqs) into `[B, vocab]` logits and one `sample_rows` launch for every row's draw
-//!   (crates/tern-cuda/src/sample.rs: greedy rows are temperature-0 draws below their limit).
+//! - Then the final norm, the lm_head (dense_seqs) into `[B, vocab]` logits and one `sample_rows` launch for every
+//!   row's draw (crates/tern-cuda/src/sample.rs: greedy rows are temperature-0 draws below their limit).
 //!
 //! [`DeviceModel::prefill_seqs`] does the same for prompt chunks of several sequences: the projections and the MoE
 //! over all their rows at once, each sequence's GDN and attention on its own rows with the prefill's kernels, then
@@ -752,7 +752,7 @@ impl Gpu {
         };
         let rb = MM_ROWS / ks;
         ensure!(m.rows.div_ceil(rb) <= 65535, "dense_seqs: {} rows is over the grid limit", m.rows);
-        let smem = dense_smem(m.cols, w, m.cols / m.gs, ks);
+        let smem = mma_smem(m.cols, w, m.cols / m.gs, ks);
         ensure!(smem <= SMEM_MAX, "dense_seqs: {} columns need {smem} bytes of shared memory", m.cols);
         let gshift = log2_exact(m.gs, "dense_seqs: group size")? - 5;
         let (r, c, ni, ld, a) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32, add as i32);
@@ -802,7 +802,7 @@ impl Gpu {
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
         let glog = log2_exact(gu.gs, "moe_gate_up_seqs: group size")? - 5;
-        let smem = mma_smem(h, w, h / gu.gs);
+        let smem = mma_smem(h, w, h / gu.gs, 1);
         ensure!(smem <= SMEM_MAX, "moe_gate_up_seqs: hidden size {h} needs {smem} bytes of shared memory");
         let (words, groups) = (gu.words as i64, gu.groups as i64);
         let v = [n_experts, i, is, h].map(|v| v as i32);
@@ -853,7 +853,7 @@ impl Gpu {
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");
         let glog = log2_exact(down.gs, "moe_down_seqs: group size")? - 5;
-        let smem = mma_smem(imax, w, imax / down.gs);
+        let smem = mma_smem(imax, w, imax / down.gs, 1);
         ensure!(smem <= SMEM_MAX, "moe_down_seqs: inner size {imax} needs {smem} bytes of shared memory");
         let (words, groups) = (down.words as i64, down.groups as i64);
         let v = [n_experts, i, is, h].map(|v| v as i32);
@@ -882,15 +882,11 @@ fn mma_words(gs: usize, ks: &[usize]) -> usize {
     }
 }
 
-/// Shared memory of the streamed expert kernels for `k` columns: the staged bf16 tokens (16 bytes per 8 columns
-/// and token), their f32 sums per k-block, and the block's 128 rows of scales and biases (`ng` groups a row).
-fn mma_smem(k: usize, w: usize, ng: usize) -> usize {
-    k * 16 + k / (32 * w) * MM_TG * 4 + 2 * 128 * mma_scale_stride(ng) * 2
-}
-
-/// Shared memory of dense_seqs with its columns split `ks` ways: as [`mma_smem`] for 128 / ks rows, and the
-/// splits' partial sums (`ks - 1` of 128 / ks rows x 8 tokens).
-fn dense_smem(k: usize, w: usize, ng: usize, ks: usize) -> usize {
+/// Shared memory of the streamed tensor-core kernels (experts and dense_seqs) for `k` columns with the columns split
+/// `ks` ways (1 for the experts): the staged bf16 tokens (16 bytes per 8 columns and token), their f32 sums per
+/// k-block, the block's 128 / ks rows of scales and biases (`ng` groups a row), and the splits' partial sums (`ks - 1`
+/// of 128 / ks rows x 8 tokens).
+fn mma_smem(k: usize, w: usize, ng: usize, ks: usize) -> usize {
     let rb = MM_ROWS / ks;
     k * 16 + k / (32 * w) * MM_TG * 4 + 2 * rb * mma_scale_stride(ng) * 2 + (ks - 1) * rb * MM_TG * 4
 }
