@@ -91,6 +91,8 @@ serve | soak)
   pid=$!
   if [ "$what" = serve ]; then
     timeout 500 python3 .carry/serve_probe.py --port 8080 ${PROBE_ARGS:-} --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt"
+    # what the probe's own client costs (a fresh httpx client per request): the floor under its TTFT and wall
+    python3 .carry/probe_client_cost.py --port 8080 2>&1 | tee "$OUT/client_cost.txt"
   else
     for _ in $(seq 120); do curl -sf localhost:8080/health >/dev/null && break; sleep 1; done
     python3 .carry/soak.py --port 8080 --clients "$clients" --seconds "$secs" --pid $pid --state-on gpu \

@@ -14,8 +14,9 @@ use crate::hub::resolve_model;
 pub const DEFAULT_MODEL: &str = "mlx-community/Qwen3.6-35B-A3B-4bit";
 
 /// Resolve `model` (directory or Hugging Face id) and load it on `backend`: `cpu`, `cuda`, or `auto` (CUDA
-/// when this build has kernels and a device answers, else CPU). `ctx` sizes the CUDA KV cache.
-pub fn load_model(model: &str, backend: &str, ctx: usize) -> Result<Model> {
+/// when this build has kernels and a device answers, else CPU). `ctx` is the context of one sequence, `state` the
+/// bytes of the CUDA state pool (None: the default, see `CudaOptions::state_memory`).
+pub fn load_model(model: &str, backend: &str, ctx: usize, state: Option<usize>) -> Result<Model> {
     let dir = resolve_model(model)?;
     let use_cuda = match backend {
         "cpu" => false,
@@ -26,7 +27,8 @@ pub fn load_model(model: &str, backend: &str, ctx: usize) -> Result<Model> {
     let model = if use_cuda {
         // Quantised on load exactly as Model::load_cpu does; the kernels take 4-bit (and 8-bit) weights only.
         let w = Weights::load_with(&dir, LoadOptions { quantize: true })?;
-        let opts = tern_cuda::seq::CudaOptions::with_context(ctx);
+        let opts =
+            tern_cuda::seq::CudaOptions { state_memory: state, ..tern_cuda::seq::CudaOptions::with_context(ctx) };
         let t0 = std::time::Instant::now();
         let tty = std::io::stderr().is_terminal();
         let mut shown = usize::MAX;
@@ -60,25 +62,25 @@ pub fn load_model(model: &str, backend: &str, ctx: usize) -> Result<Model> {
     Ok(model)
 }
 
-/// What a sequence holds on the GPU at the context size, and how many fit in the memory free after the weights
-/// (the startup log's sizing line; the prefill buffers and the prefix cache come out of the same memory).
+/// The state pool's size, what a sequence takes from it, and how many fit (the startup log's sizing line).
 fn capacity_line(be: &tern_cuda::CudaBackend, ctx: usize) -> String {
-    let b = tern_cuda::DeviceState::bytes_at(&be.model, ctx);
-    let mb = |v: usize| v as f64 / 1e6;
-    let per = format!(
-        "a sequence of up to {ctx} tokens holds {:.0} MB on the GPU (KV cache {:.0} MB, Gated DeltaNet state {:.0} \
-         MB, step buffers {:.0} MB)",
-        mb(b.total()),
-        mb(b.kv),
-        mb(b.gdn),
-        mb(b.step)
-    );
-    match be.model.gpu.ctx.mem_get_info() {
-        Ok((free, _)) => format!(
-            "{per}; {:.1} GB free: room for about {} (less the prefill buffers and the prefix cache)",
-            free as f64 / 1e9,
-            free / b.total().max(1)
-        ),
-        Err(_) => per,
-    }
+    let pool = &be.model.pool;
+    let bytes = pool.limit_pages().saturating_mul(pool.page_bytes());
+    let at = |tokens| tern_cuda::DeviceState::bytes_at(&be.model, ctx, tokens);
+    let (short, full) = (at(2048), at(ctx));
+    let gb = |v: usize| v as f64 / 1e9;
+    let fit = |b: tern_cuda::seq::StateBytes| bytes / (b.kv + b.gdn).max(1);
+    format!(
+        "state pool {:.1} GB (--state-mib) in {} MiB pages: a sequence takes {:.0} MB of Gated DeltaNet state and \
+         {:.0} KB of KV cache a token (+{:.1} MB of step buffers); room for {} sequences of up to 2,048 tokens, {} of \
+         {ctx}, {} tokens in one",
+        gb(bytes),
+        pool.page_bytes() >> 20,
+        full.gdn as f64 / 1e6,
+        full.kv as f64 / ctx.max(1) as f64 / 1e3,
+        full.step as f64 / 1e6,
+        fit(short),
+        fit(full),
+        be.tokens_that_fit(),
+    )
 }

@@ -1,20 +1,18 @@
-//! The engine's [`Backend`] on CUDA — **the interim per-sequence implementation**, on its way to state pools and
-//! batched kernels (issue 12 items 3–5).
+//! The engine's [`Backend`] on CUDA: a slot table of [`DeviceState`]s whose KV caches and recurrent states live in
+//! the model's page pool ([`crate::pool`]).
 //!
-//! What it does now: a slot table of whole [`DeviceState`]s (each allocates its KV cache for
-//! [`CudaOptions::max_context`] tokens up front, plus its own scratch and CUDA graph). With
-//! [`CudaOptions::batched_decode`] on, a step's one-token items go through one batched pass ([`crate::batch`], up to
-//! [`MAX_SEQS`] sequences) and its prompt chunks through multi-sequence prefills (within the prefill chunk's tokens)
-//! when there are two or more of a kind; otherwise (and by default) each item runs alone: one token through its
-//! batch-1 decode graph, a prompt chunk through the prefill kernels ([`CudaSequence::read`]). Plain greedy `Sample` work
-//! without logprobs takes the device argmax (4 bytes to the host); other draws run on the device with
-//! [`CudaOptions::gpu_sampling`] (only the ids and asked-for logprobs come back), else download the logits row and
-//! sample on the host with [`sample_host`]. Allocation and fork are fallible: a failed device allocation is
-//! [`AllocError::Full`] while other sequences hold memory (the engine waits or evicts cache snapshots) and
-//! [`AllocError::TooLarge`] when none do; a context above `max_context` is `TooLarge` at once.
-//!
-//! What replaces the rest: KV pages and GDN state slots from pools sized at start, sampling on the device, a graph
-//! per batch-size bucket — behind the same trait, so the engine does not change.
+//! A sequence maps, when it is made, the pages its reservation (prompt + completion) needs: 67 MB of recurrent
+//! state and one 2 MiB page per 2,048 positions of each K and V region; its step buffers and its batch-1 CUDA
+//! graph are its own. A fork shares the source's full K/V pages. With [`CudaOptions::batched_decode`] on, a step's
+//! one-token items go through one batched pass ([`crate::batch`], up to [`MAX_SEQS`] sequences) and its prompt
+//! chunks through multi-sequence prefills (within the prefill chunk's tokens) when there are two or more of a kind;
+//! otherwise each item runs alone: one token through its batch-1 decode graph, a prompt chunk through the prefill
+//! kernels ([`CudaSequence::read`]). Plain greedy `Sample` work without logprobs takes the device argmax (4 bytes to
+//! the host); other draws run on the device with [`CudaOptions::gpu_sampling`] (only the ids and asked-for logprobs
+//! come back), else download the logits row and sample on the host with [`sample_host`]. Allocation and fork are
+//! fallible: a pool without room is [`AllocError::Full`] (the engine waits or evicts cache snapshots) unless the
+//! whole pool could never hold the sequence ([`AllocError::TooLarge`]); a context above `max_context` is `TooLarge`
+//! at once.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -24,6 +22,7 @@ use tern_engine::backend::{check_item, panic_message, Slots};
 use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, Want, Work};
 
 use crate::batch::{Draw, RowWant, MAX_SEQS};
+use crate::pool::PoolFull;
 use crate::sample::SampleBatch;
 use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState};
 
@@ -42,17 +41,29 @@ impl CudaSlots {
         self.cuda.opts
     }
 
-    /// `AllocError` for a failed device allocation: out of memory with others holding some is "full".
-    fn no_room(&self, e: anyhow::Error, tokens: usize, others: Option<usize>) -> AllocError {
+    /// `AllocError` for a failed allocation: the pool without room for the sequence is "full" (wait: running
+    /// sequences and cache snapshots give pages back) unless the whole pool could not hold it ("too large");
+    /// the device out of memory for the step buffers is "full" while other sequences hold memory.
+    fn no_room(&self, e: anyhow::Error, tokens: usize, others: bool) -> AllocError {
+        let pool = &self.cuda.model.pool;
+        if let Some(f) = e.downcast_ref::<PoolFull>() {
+            let limit = pool.limit_pages().saturating_mul(pool.page_bytes());
+            return if f.need > limit {
+                AllocError::TooLarge { tokens, max_tokens: self.cuda.tokens_that_fit() }
+            } else {
+                AllocError::Full { need: f.need, free: f.free }
+            };
+        }
         let oom = e
             .chain()
             .any(|c| c.downcast_ref::<DriverError>().is_some_and(|d| d.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY));
         match (oom, others) {
-            (true, Some(need)) => {
+            (true, true) => {
                 let free = self.cuda.model.gpu.ctx.mem_get_info().map_or(0, |(free, _)| free);
+                let need = DeviceState::bytes_at(&self.cuda.model, self.opts().max_context, tokens).step;
                 AllocError::Full { need, free }
             }
-            (true, None) => AllocError::TooLarge { tokens, max_tokens: 0 },
+            (true, false) => AllocError::TooLarge { tokens, max_tokens: 0 },
             (false, _) => AllocError::Failed(format!("{e:#}")),
         }
     }
@@ -67,8 +78,7 @@ impl CudaSlots {
 
     fn insert(&self, seq: Result<CudaSequence>, tokens: usize) -> Result<SeqId, AllocError> {
         let mut t = self.slots.lock();
-        // Every state has the same size (max_context fixes it): any live one's is what another needs.
-        let others = (!t.is_empty()).then(|| t.reserved_bytes() / t.len());
+        let others = !t.is_empty();
         match seq {
             Ok(s) => {
                 let bytes = s.st.bytes();
@@ -133,7 +143,7 @@ impl Backend for CudaSlots {
 
     fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
         self.check_tokens(tokens)?;
-        self.insert(self.cuda.new_cuda_sequence(), tokens)
+        self.insert(self.cuda.new_cuda_sequence_for(tokens), tokens)
     }
 
     fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
@@ -141,7 +151,7 @@ impl Backend for CudaSlots {
         let copy = {
             let t = self.slots.lock();
             let s = t.get(seq).and_then(|s| s.state.as_ref()).ok_or(AllocError::Unknown(seq))?;
-            s.st.fork(&self.cuda.model.gpu).map(|st| CudaSequence {
+            s.st.fork(&self.cuda.model, tokens).map(|st| CudaSequence {
                 model: s.model.clone(),
                 st,
                 gpu_sampling: s.gpu_sampling,

@@ -197,7 +197,7 @@ impl DeviceModel {
             bail!("token id {bad} is outside the vocabulary (size {vocab})");
         }
         for s in seqs.iter() {
-            ensure!(s.len < s.max_ctx, "context full ({} tokens)", s.max_ctx);
+            ensure!(s.len < s.room, "context full: the sequence has room for {} tokens (its reservation)", s.room);
             ensure!(s.layers.len() == self.layers.len(), "a sequence of another model");
         }
         if let Some(r) = &routes {
@@ -214,8 +214,8 @@ impl DeviceModel {
         for (r, s) in seqs.iter().enumerate() {
             for (li, (l, ls)) in self.layers.iter().zip(&s.layers).enumerate() {
                 let (a, b) = match (&l.mixer, ls) {
-                    (DMixer::Gdn { .. }, LState::Gdn { ring, s }) => (ptr(g, ring), ptr(g, s)),
-                    (DMixer::Attn { .. }, LState::Attn { k, v }) => (ptr(g, k), ptr(g, v)),
+                    (DMixer::Gdn { .. }, LState::Gdn { ring, s }) => (ring.ptr, s.ptr),
+                    (DMixer::Attn { .. }, LState::Attn { k, v }) => (k.ptr, v.ptr),
                     _ => bail!("layer {li}: state does not match the model's layer kind"),
                 };
                 ta[li * n + r] = a;
@@ -410,11 +410,11 @@ impl DeviceModel {
                 bail!("token id {bad} is outside the vocabulary (size {vocab})");
             }
             ensure!(
-                s.len + ids.len() <= s.max_ctx,
-                "the prompt does not fit: {} tokens held + {} new > the sequence's capacity of {} tokens",
+                s.len + ids.len() <= s.room,
+                "the prompt does not fit: {} tokens held + {} new > the sequence's room of {} tokens",
                 s.len,
                 ids.len(),
-                s.max_ctx
+                s.room
             );
             ensure!(s.layers.len() == self.layers.len(), "a sequence of another model");
         }
@@ -632,7 +632,7 @@ impl Gpu {
         l.arg(proj).arg(&v[0]).arg(qn).arg(kn).arg(posv).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&theta);
         l.arg(&eps).arg(&*qbuf).arg(kc).arg(vc);
         // SAFETY: matches attn_prep_seqs in attention.cu; grid (nh + nkv, n) of hd threads; the caches in the tables
-        // belong to live sequences whose position posv[r] is below their capacity (decode_seqs checks len < max_ctx).
+        // belong to live sequences whose position posv[r] is below their capacity (decode_seqs checks len < room).
         unsafe { l.launch(cfg(((nh + nkv) as u32, n as u32), hd as u32, 0)) }?;
         Ok(())
     }

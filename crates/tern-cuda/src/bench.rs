@@ -303,6 +303,60 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
         "first tokens of {b} prompts of 80 tokens (prefill and draw, ids back): one prefill after another {one:.1} ms, \
          one multi-sequence pass {all:.1} ms"
     );
+    pool_costs(be, repeats)
+}
+
+/// What a sequence's memory costs the host (crate::pool): a new sequence with room for 208 tokens (an 80-token
+/// prompt and 128 to generate), mapped afresh and from a parked range; a fork of one holding 4,100 tokens (fewer if
+/// the context is smaller: the recurrent state and the partial pages copied, the rest shared) and of one holding
+/// 200 (a prefix-cache snapshot of a short reply); a free; each until the stream is idle; medians of 20.
+fn pool_costs(be: &CudaBackend, repeats: usize) -> Result<()> {
+    let (m, g) = (&be.model, &be.model.gpu);
+    let n = 20 * repeats.max(1);
+    let ctx = be.opts.max_context;
+    let held = 4100.min(ctx.saturating_sub(209));
+    let mut src = crate::seq::DeviceState::with_room(m, ctx, held + 208)?;
+    src.set_len(g, held)?;
+    let mut short = crate::seq::DeviceState::with_room(m, ctx, 208)?;
+    short.set_len(g, 200)?;
+    let [mut fresh, mut new, mut fork, mut snap, mut free] = [(); 5].map(|_| Vec::new());
+    let time = |v: &mut Vec<f64>, t0: std::time::Instant| v.push(t0.elapsed().as_secs_f64() * 1e3);
+    for _ in 0..n {
+        m.pool.release_parked();
+        let t0 = std::time::Instant::now();
+        let a = crate::seq::DeviceState::with_room(m, ctx, 208)?;
+        g.stream.synchronize()?;
+        time(&mut fresh, t0);
+        drop(a); // parked
+        let t0 = std::time::Instant::now();
+        let a = crate::seq::DeviceState::with_room(m, ctx, 208)?;
+        g.stream.synchronize()?;
+        time(&mut new, t0);
+        let t0 = std::time::Instant::now();
+        let b = src.fork(m, held)?;
+        g.stream.synchronize()?;
+        time(&mut fork, t0);
+        drop(b);
+        let t0 = std::time::Instant::now();
+        let c = short.fork(m, 200)?;
+        g.stream.synchronize()?;
+        time(&mut snap, t0);
+        let t0 = std::time::Instant::now();
+        drop(a);
+        drop(c);
+        free.push(t0.elapsed().as_secs_f64() * 1e3 / 2.0);
+    }
+    m.pool.release_parked();
+    let [fresh, new, fork, snap, free] = [fresh, new, fork, snap, free].map(|mut t| median(&mut t));
+    let l = crate::seq::DeviceState::layout(m, ctx);
+    println!(
+        "state pool ({} MiB pages, context {ctx}): a new sequence for 208 tokens ({} pages) {fresh:.3} ms mapped \
+         afresh, {new:.3} ms from a parked range; a fork at {held} tokens ({} pages shared) {fork:.3} ms, at 200 \
+         tokens (a parked range) {snap:.3} ms; a free {free:.3} ms",
+        l.page >> 20,
+        l.pages_for(208),
+        2 * l.kv.len() * l.full_pages(held),
+    );
     Ok(())
 }
 
@@ -387,7 +441,7 @@ fn op_bytes(m: &crate::model::DeviceModel, st: &crate::seq::DeviceState, op: Ste
             }
         }
         StepOp::GdnCore(l) => match st.layers.get(l) {
-            Some(LState::Gdn { s, .. }) => 2 * s.len() * 4,
+            Some(LState::Gdn { s, .. }) => 2 * s.len * 4,
             _ => 0,
         },
         StepOp::AttnDecode(_) => (ctx + 1) * c.num_key_value_heads * c.head_dim * 4,
@@ -431,6 +485,9 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         45 => "router_seqs",
         46 => "dense_seqs",
         50 => "sample_rows",
+        51 => "sample_pre_max",
+        52 => "sample_pre_hist",
+        53 => "sample_pre_gather",
         _ => "?",
     };
     struct L {

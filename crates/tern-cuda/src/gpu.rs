@@ -91,7 +91,7 @@ funcs! {
     gdn_chunk_state: "prefill", gdn_chunk_out: "prefill", gdn_gated_norm: "prefill", gdn_ring: "prefill", attn_prep_rows: "prefill",
     flash_prefill_hd256: "flash", flash_prefill_hd128: "flash", flash_prefill_hd64: "flash",
     // sampling over many rows of logits: see sample.rs
-    sample_rows: "sample",
+    sample_rows: "sample", sample_pre_max: "sample", sample_pre_hist: "sample", sample_pre_gather: "sample",
 }
 
 /// A kernel argument as the 8-byte word the launch passes a pointer to (little-endian: 4-byte arguments are the
@@ -109,6 +109,25 @@ impl<T> KArg for CudaView<'_, T> {
         self.device_ptr(s).0
     }
 }
+/// A device buffer a launch wrapper checks (`len`, in elements) and passes: a `CudaSlice` or a sequence's
+/// [`crate::pool::StateBuf`].
+pub trait DevBuf<T>: KArg {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+impl<T> DevBuf<T> for CudaSlice<T> {
+    fn len(&self) -> usize {
+        CudaSlice::len(self)
+    }
+}
+impl<T> DevBuf<T> for crate::pool::StateBuf<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 impl KArg for i32 {
     fn word(&self, _: &CudaStream) -> u64 {
         *self as u32 as u64
@@ -681,10 +700,10 @@ impl Gpu {
         &self,
         proj: &CudaSlice<f32>,
         conv_w: &CudaSlice<f32>,
-        ring: &mut CudaSlice<f32>,
+        ring: &mut impl DevBuf<f32>,
         a_log: &CudaSlice<f32>,
         dt_bias: &CudaSlice<f32>,
-        state: &mut CudaSlice<f32>,
+        state: &mut impl DevBuf<f32>,
         out: &mut CudaSlice<f32>,
         pos: &CudaSlice<i32>,
         norm: &CudaSlice<f32>,
@@ -720,8 +739,8 @@ impl Gpu {
         theta: f32,
         eps: f32,
         qbuf: &mut CudaSlice<f32>,
-        kc: &mut CudaSlice<u16>,
-        vc: &mut CudaSlice<u16>,
+        kc: &mut impl DevBuf<u16>,
+        vc: &mut impl DevBuf<u16>,
     ) -> Result<()> {
         ensure!(hd <= 256 && hd % 32 == 0 && rd <= hd && rd % 2 == 0, "attn_prep: dims");
         ensure!(proj.len() >= (2 * nh + 2 * nkv) * hd && qn.len() >= hd && kn.len() >= hd, "attn_prep: proj");
@@ -740,8 +759,8 @@ impl Gpu {
     pub fn attn_decode(
         &self,
         qbuf: &CudaSlice<f32>,
-        kc: &CudaSlice<u16>,
-        vc: &CudaSlice<u16>,
+        kc: &impl DevBuf<u16>,
+        vc: &impl DevBuf<u16>,
         pos: &CudaSlice<i32>,
         (nh, nkv, hd): (usize, usize, usize),
         nsplit: usize,
@@ -836,7 +855,7 @@ impl Gpu {
         Ok(())
     }
 
-    pub fn fill_bf16(&self, p: &mut CudaSlice<u16>, v: f32) -> Result<()> {
+    pub fn fill_bf16(&self, p: &mut impl DevBuf<u16>, v: f32) -> Result<()> {
         let n = p.len() as i64;
         let mut l = self.launcher(&self.f.fill_bf16);
         l.arg(&*p).arg(&n).arg(&v);

@@ -10,6 +10,7 @@ pub mod batch;
 pub mod bench;
 pub mod gpu;
 pub mod model;
+pub mod pool;
 pub mod prefill;
 pub mod sample;
 pub mod seq;

@@ -52,6 +52,8 @@ pub struct DeviceModel {
     pub layers: Vec<DLayer>,
     /// The prefill chunk length and its buffers, shared by every sequence (one prefill at a time).
     pub prefill: std::sync::Mutex<PrefillBuffers>,
+    /// The pages every sequence's KV cache and recurrent state come from ([`crate::pool`]).
+    pub pool: Arc<crate::pool::PagePool>,
 }
 
 fn quant<'a>(l: &'a Linear, what: &str) -> Result<&'a QuantMatrix> {
@@ -183,7 +185,8 @@ impl DeviceModel {
         g.stream.synchronize()?;
         progress(w.layers.len(), w.layers.len());
         let prefill = PrefillBuffers::new(DEFAULT_PREFILL_CHUNK);
-        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, prefill })
+        let pool = Arc::new(crate::pool::PagePool::new(gpu.ctx.clone())?);
+        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, prefill, pool })
     }
 
     /// The full-shape model with random 4-bit weights (8-bit router), generated on the device: codes uniform,
@@ -266,7 +269,8 @@ impl DeviceModel {
         let norm = g.upload(&vec![1.0f32; h])?;
         g.stream.synchronize()?;
         let prefill = PrefillBuffers::new(DEFAULT_PREFILL_CHUNK);
-        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, prefill })
+        let pool = Arc::new(crate::pool::PagePool::new(gpu.ctx.clone())?);
+        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, prefill, pool })
     }
 
     /// Set the prefill chunk (tokens per pass; the buffers are reallocated at the next prefill if they are smaller).

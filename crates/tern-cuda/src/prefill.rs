@@ -25,7 +25,7 @@ use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice};
 use tern_model::{Config, LayerKind};
 
-use crate::gpu::{cfg, Experts, Funcs, Gpu, QMat, NULL};
+use crate::gpu::{cfg, DevBuf, Experts, Funcs, Gpu, QMat, NULL};
 use crate::model::{DMixer, DeviceModel};
 use crate::seq::{DeviceState, LState, Profile};
 
@@ -414,7 +414,7 @@ impl Gpu {
         &self,
         proj: &CudaSlice<f32>,
         ldp: usize,
-        ring: &CudaSlice<f32>,
+        ring: &impl DevBuf<f32>,
         conv_w: &CudaSlice<f32>,
         a_log: &CudaSlice<f32>,
         dt_bias: &CudaSlice<f32>,
@@ -484,7 +484,7 @@ impl Gpu {
         sc: &mut GdnChunkScratch,
         n: usize,
         d: GdnDims,
-        state: &mut CudaSlice<f32>,
+        state: &mut impl DevBuf<f32>,
         o: &mut CudaSlice<f32>,
     ) -> Result<()> {
         d.check()?;
@@ -548,7 +548,7 @@ impl Gpu {
         d: GdnDims,
         pos0: usize,
         n: usize,
-        ring: &mut CudaSlice<f32>,
+        ring: &mut impl DevBuf<f32>,
     ) -> Result<()> {
         let cd = d.conv_dim();
         ensure!(
@@ -577,8 +577,8 @@ impl Gpu {
         theta: f32,
         eps: f32,
         qout: &mut CudaSlice<u16>,
-        kc: &mut CudaSlice<u16>,
-        vc: &mut CudaSlice<u16>,
+        kc: &mut impl DevBuf<u16>,
+        vc: &mut impl DevBuf<u16>,
     ) -> Result<()> {
         ensure!(hd <= 256 && hd % 32 == 0 && rd <= hd && rd % 2 == 0 && nkv > 0, "attn_prep_rows: dims");
         let rows = (2 * nh + 2 * nkv) * hd;
@@ -605,8 +605,8 @@ impl Gpu {
     pub fn flash_prefill(
         &self,
         q: &CudaSlice<u16>,
-        kc: &CudaSlice<u16>,
-        vc: &CudaSlice<u16>,
+        kc: &impl DevBuf<u16>,
+        vc: &impl DevBuf<u16>,
         proj: &CudaSlice<f32>,
         ldp: usize,
         n: usize,
@@ -843,11 +843,11 @@ impl DeviceState {
             bail!("token id {bad} is outside the vocabulary (size {})", c.vocab_size);
         }
         ensure!(
-            self.len + ids.len() <= self.max_ctx,
-            "the prompt does not fit: {} tokens held + {} new > the sequence's capacity of {} tokens",
+            self.len + ids.len() <= self.room,
+            "the prompt does not fit: {} tokens held + {} new > the sequence's room of {} tokens",
             self.len,
             ids.len(),
-            self.max_ctx
+            self.room
         );
         let mut guard =
             m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
@@ -988,12 +988,7 @@ impl DeviceState {
     /// Zero the recurrent state, conv rings and position: an empty sequence again (the KV rows are left as they
     /// are; nothing reads rows past the length).
     pub fn reset(&mut self, g: &Gpu) -> Result<()> {
-        for l in self.layers.iter_mut() {
-            if let LState::Gdn { ring, s } = l {
-                g.stream.memset_zeros(ring)?;
-                g.stream.memset_zeros(s)?;
-            }
-        }
+        self.mem.zero_gdn()?;
         g.stream.memcpy_htod(&[0i32], &mut self.pos)?;
         self.len = 0;
         self.pos_stale = false;

@@ -262,6 +262,30 @@ impl SampleBatch {
 pub(crate) struct SampleScratch {
     words: CudaSlice<u32>,
     out: CudaSlice<SampleOut>,
+    /// sample.cu's `SamplePre` (a lone row's first passes over the whole GPU), as bytes.
+    pre: CudaSlice<u8>,
+}
+
+/// Bytes of sample.cu's `SamplePre`: two u64, two u32, the prefilter's 2,048 counts and [`KMAX`] u64 candidates.
+const PRE_BYTES: usize = 8 + 8 + 4 + 4 + 4 * 2048 + 8 * KMAX;
+
+/// A batch whose one row takes path (a) of sample.cu (0 < top_k <= KMAX, temperature > 0) with nothing that
+/// changes its logits (no mask, bias or penalty) and no log-probabilities: its first three passes go over the
+/// whole GPU (sample_pre_*), the same id bit for bit.
+fn lone_topk_row(rows: &[SampleRow]) -> Option<&SampleRow> {
+    match rows {
+        [r] if r.temperature > 0.0
+            && r.top_k > 0
+            && r.top_k as usize <= KMAX
+            && r.logprobs < 0
+            && r.mask_off < 0
+            && r.pen_len == 0
+            && r.bias_len == 0 =>
+        {
+            Some(r)
+        }
+        _ => None,
+    }
 }
 
 /// The 4-byte words of a slice of the kernel's parameter structs.
@@ -300,21 +324,42 @@ impl Gpu {
         let mut guard = self.sampler.lock().map_err(|_| anyhow::anyhow!("sampler buffers poisoned"))?;
         if guard.as_ref().is_none_or(|s| s.words.len() < words.len() || s.out.len() < b) {
             let (nw, no) = (words.len().next_power_of_two().max(4096), b.next_power_of_two().max(64));
-            *guard = Some(SampleScratch { words: self.zeros(nw)?, out: self.zeros(no)? });
+            *guard = Some(SampleScratch { words: self.zeros(nw)?, out: self.zeros(no)?, pre: self.zeros(PRE_BYTES)? });
         }
         let sc = guard.as_mut().context("sampler buffers")?;
         self.stream.memcpy_htod(&words, &mut sc.words.slice_mut(..words.len()))?;
         let ld = vocab as i64;
         let base = sc.words.device_ptr(&self.stream).0;
         let [pens, biases, masks] = [pens, biases, masks].map(|w| base + 4 * w as u64);
+        let mut pre = crate::gpu::NULL;
+        if let Some(r) = lone_topk_row(&batch.rows) {
+            let (n, k) = (r.limit as i32, r.top_k as i32);
+            ensure!(r.limit as usize <= vocab, "sample_pre: limit {} over the row of {vocab}", r.limit);
+            self.stream.memset_zeros(&mut sc.pre)?;
+            let grid = cfg((2 * self.sms, 1), 256, 0);
+            let mut l = self.launcher(&self.f.sample_pre_max);
+            l.arg(&*logits).arg(&n).arg(&sc.pre);
+            // SAFETY: matches sample_pre_max in sample.cu: row 0's first n <= vocab logits (inside the length checked
+            // above), the SamplePre just zeroed (PRE_BYTES, sample.cu's layout).
+            unsafe { l.launch(grid) }?;
+            let mut l = self.launcher(&self.f.sample_pre_hist);
+            l.arg(&*logits).arg(&n).arg(&sc.pre);
+            // SAFETY: as sample_pre_max (reads the row and the maximum it wrote; static shared memory).
+            unsafe { l.launch(grid) }?;
+            let mut l = self.launcher(&self.f.sample_pre_gather);
+            l.arg(&*logits).arg(&n).arg(&k).arg(&sc.pre);
+            // SAFETY: as sample_pre_max; at most KMAX candidates are stored (k <= KMAX checked by lone_topk_row).
+            unsafe { l.launch(grid) }?;
+            pre = sc.pre.device_ptr(&self.stream).0;
+        }
         let mut l = self.launcher(&self.f.sample_rows);
-        l.arg(&*logits).arg(&ld).arg(&base).arg(&pens).arg(&biases).arg(&masks).arg(&sc.out);
+        l.arg(&*logits).arg(&ld).arg(&base).arg(&pens).arg(&biases).arg(&masks).arg(&sc.out).arg(&pre);
         // SAFETY: matches sample_rows in sample.cu (1024 threads, static shared memory); one block per row of the
         // batch, b <= the outputs' length (grown above); the rows were built by SampleBatch::push for this vocab:
         // limit <= vocab (row b reads and writes logits[b*vocab .. b*vocab + limit], inside the length checked
         // above), the penalty, bias and mask slices inside the packed arrays (copied whole into `words`, each array
         // at its word offset, the rows at 0: 8-byte aligned), entry ids unique and below the limit, mask_off -1 or
-        // ceil(limit/32) words.
+        // ceil(limit/32) words; `pre` null or the SamplePre that sample_pre_* filled for the batch's one row.
         unsafe { l.launch(cfg((b as u32, 1), THREADS as u32, 0)) }?;
         Ok(self.stream.clone_dtoh(&sc.out.slice(..b))?)
     }

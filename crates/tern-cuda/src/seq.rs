@@ -9,15 +9,22 @@ use tern_model::{Config, Weights};
 
 use crate::gpu::Gpu;
 use crate::model::{DMixer, DeviceModel};
+use crate::pool::{Layout, SeqMem, StateBuf};
 
+/// A layer's state, inside the sequence's pages ([`crate::pool`]): K and V rows `[room, nkv, hd]` bf16 (an
+/// attention layer) or the conv ring and recurrent state f32 (a Gated DeltaNet layer).
 pub enum LState {
-    Attn { k: CudaSlice<u16>, v: CudaSlice<u16> },
-    Gdn { ring: CudaSlice<f32>, s: CudaSlice<f32> },
+    Attn { k: StateBuf<u16>, v: StateBuf<u16> },
+    Gdn { ring: StateBuf<f32>, s: StateBuf<f32> },
 }
 
-/// One sequence on the device: position counter, input/output token, scratch activations, caches.
+/// One sequence on the device: position counter, input/output token, scratch activations, and its state in the
+/// pool's pages (`mem`; `layers` points into it).
 pub struct DeviceState {
+    /// The context the sequence's address range has room for (and its attention splits are sized by).
     pub max_ctx: usize,
+    /// Positions whose K/V pages are mapped: the most tokens this sequence may hold (its reservation).
+    pub room: usize,
     pub nsplit: usize,
     /// Tokens read so far (mirrors the device counter).
     pub len: usize,
@@ -46,6 +53,8 @@ pub struct DeviceState {
     /// `idx` (the k routed experts + the shared one) here, `[layers, k + 1]`.
     pub route_log: Option<CudaSlice<i32>>,
     graph: Option<CudaGraph>,
+    /// The pages behind `layers` (after `graph` and `layers`: dropped last, once nothing refers to them).
+    pub mem: SeqMem,
 }
 
 /// Per-op timings of one non-graph step, by kernel family (ms).
@@ -69,8 +78,6 @@ impl Profile {
 /// Element counts of one sequence's device buffers at a capacity of `max_ctx` tokens: what [`DeviceState::new`]
 /// allocates, and what [`DeviceState::bytes_at`] adds up without allocating.
 struct StateLens {
-    /// K (and V) of one attention layer, bf16.
-    kv: usize,
     /// Conv ring and recurrent state of one Gated DeltaNet layer, f32.
     ring: usize,
     s: usize,
@@ -102,7 +109,6 @@ impl StateLens {
         // tok/s at ctx 32,768); short contexts use fewer (at least 16 keys per split, the rest empty)
         let nsplit = (max_ctx / 16).clamp(1, 128);
         StateLens {
-            kv: max_ctx * c.num_key_value_heads * c.head_dim,
             ring: c.linear_conv_kernel_dim * c.linear_conv_dim(),
             s: c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim,
             nsplit,
@@ -118,16 +124,22 @@ impl StateLens {
             nb: m.gpu.argmax_blocks(),
         }
     }
+
+    fn step_bytes(&self) -> usize {
+        let f32s = self.h + self.proj + self.o + self.qbuf + self.part + self.act + self.router + self.k1;
+        let i32s = 1 + 1 + self.k1 + self.nb;
+        4 * (f32s + self.logits + self.nb + i32s + crate::gpu::MOE_COUNTER_LEN)
+    }
 }
 
 /// One sequence's device memory by part (see [`DeviceState::bytes_at`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StateBytes {
-    /// The attention layers' K and V caches.
+    /// The attention layers' K and V pages.
     pub kv: usize,
-    /// The Gated DeltaNet layers' conv rings and recurrent states.
+    /// The Gated DeltaNet layers' conv rings and recurrent states (whole pages).
     pub gdn: usize,
-    /// The step's own activations, logits and counters.
+    /// The step's own activations, logits and counters (outside the pool).
     pub step: usize,
 }
 
@@ -138,48 +150,76 @@ impl StateBytes {
 }
 
 impl DeviceState {
-    /// The device memory a sequence of capacity `max_ctx` takes ([`DeviceState::new`]'s buffers, added up without
-    /// allocating them; [`DeviceState::bytes`] of a live one is the same total).
-    pub fn bytes_at(m: &DeviceModel, max_ctx: usize) -> StateBytes {
+    /// Where a sequence of capacity `max_ctx` keeps its state in its pages.
+    pub fn layout(m: &DeviceModel, max_ctx: usize) -> Layout {
         let n = StateLens::of(m, max_ctx);
+        let c = &m.config;
         let attn = m.layers.iter().filter(|l| matches!(l.mixer, DMixer::Attn { .. })).count();
-        let f32s = n.h + n.proj + n.o + n.qbuf + n.part + n.act + n.router + n.k1 + n.logits + n.nb;
-        let i32s = 1 + 1 + n.k1 + n.nb;
+        let row = c.num_key_value_heads * c.head_dim * 2;
+        Layout::new(m.pool.page_bytes(), m.layers.len() - attn, (n.ring, n.s), attn, row, max_ctx)
+    }
+
+    /// The device memory a sequence with room for `tokens` takes (of capacity `max_ctx`): the pages it maps and
+    /// its step buffers, added up without allocating ([`DeviceState::bytes`] of a new one is the same total).
+    pub fn bytes_at(m: &DeviceModel, max_ctx: usize, tokens: usize) -> StateBytes {
+        let l = DeviceState::layout(m, max_ctx);
         StateBytes {
-            kv: attn * 2 * n.kv * 2,
-            gdn: (m.layers.len() - attn) * (n.ring + n.s) * 4,
-            step: 4 * (f32s + i32s + crate::gpu::MOE_COUNTER_LEN),
+            kv: 2 * l.kv.len() * l.region_pages_for(tokens) * l.page,
+            gdn: l.gdn_pages * l.page,
+            step: StateLens::of(m, max_ctx).step_bytes(),
         }
     }
 
-    /// The device memory this sequence holds.
+    /// The device memory this sequence maps and holds (pages shared with a fork's source or a snapshot counted
+    /// in full).
     pub fn bytes(&self) -> usize {
-        let layers: usize = (self.layers.iter())
-            .map(|l| match l {
-                LState::Attn { k, v } => k.num_bytes() + v.num_bytes(),
-                LState::Gdn { ring, s } => ring.num_bytes() + s.num_bytes(),
-            })
-            .sum();
         let f32s = [&self.x, &self.proj, &self.o, &self.qbuf, &self.part, &self.act, &self.router, &self.wts];
         let f32s = f32s.iter().chain([&&self.logits, &&self.apv]).map(|b| b.num_bytes()).sum::<usize>();
         let i32s = [&self.pos, &self.tok, &self.idx, &self.api].iter().map(|b| b.num_bytes()).sum::<usize>();
-        layers + f32s + i32s + self.counter.num_bytes()
+        self.mem.mapped_pages() * self.mem.layout.page + f32s + i32s + self.counter.num_bytes()
     }
 
+    /// A sequence of capacity `max_ctx` with room for all of it (tests, benchmarks).
     pub fn new(m: &DeviceModel, max_ctx: usize) -> Result<DeviceState> {
+        DeviceState::with_room(m, max_ctx, max_ctx)
+    }
+
+    /// A new sequence of capacity `max_ctx` whose pages hold `tokens` (at most `max_ctx`) positions; the pool's
+    /// [`crate::pool::PoolFull`] when it has no room for them.
+    pub fn with_room(m: &DeviceModel, max_ctx: usize, tokens: usize) -> Result<DeviceState> {
+        let mem = SeqMem::new(&m.pool, &m.gpu.stream, DeviceState::layout(m, max_ctx), tokens.min(max_ctx))?;
+        DeviceState::around(m, mem, 0)
+    }
+
+    /// The state of a sequence holding `len` tokens in `mem`: its layer buffers, and fresh step buffers.
+    fn around(m: &DeviceModel, mem: SeqMem, len: usize) -> Result<DeviceState> {
         let g = &*m.gpu;
+        let max_ctx = mem.layout.capacity;
         let n = StateLens::of(m, max_ctx);
-        let mut layers = Vec::new();
+        let room = mem.room();
+        let c = &m.config;
+        let kv = room * c.num_key_value_heads * c.head_dim;
+        let (mut gi, mut ai) = (0, 0);
+        let mut layers = Vec::with_capacity(m.layers.len());
         for l in &m.layers {
-            match &l.mixer {
-                DMixer::Attn { .. } => layers.push(LState::Attn { k: g.zeros(n.kv)?, v: g.zeros(n.kv)? }),
-                DMixer::Gdn { .. } => layers.push(LState::Gdn { ring: g.zeros(n.ring)?, s: g.zeros(n.s)? }),
-            }
+            layers.push(match &l.mixer {
+                DMixer::Attn { .. } => {
+                    let (k, v) = *mem.layout.kv.get(ai).context("layout: attention layers")?;
+                    ai += 1;
+                    LState::Attn { k: mem.buf(k, kv), v: mem.buf(v, kv) }
+                }
+                DMixer::Gdn { .. } => {
+                    let (r, s) = *mem.layout.gdn.get(gi).context("layout: GDN layers")?;
+                    gi += 1;
+                    LState::Gdn { ring: mem.buf(r, n.ring), s: mem.buf(s, n.s) }
+                }
+            });
         }
         Ok(DeviceState {
             max_ctx,
+            room,
             nsplit: n.nsplit,
-            len: 0,
+            len,
             pos: g.zeros(1)?,
             tok: g.zeros(1)?,
             x: g.zeros(n.h)?,
@@ -199,46 +239,39 @@ impl DeviceState {
             pos_stale: false,
             route_log: None,
             graph: None,
+            mem,
         })
     }
 
-    /// An independent copy (graph not copied: it binds this state's buffers).
-    pub fn fork(&self, g: &Gpu) -> Result<DeviceState> {
-        let cl = |s: &CudaSlice<f32>| g.stream.clone_dtod(s);
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(match l {
-                    LState::Attn { k, v } => LState::Attn { k: g.stream.clone_dtod(k)?, v: g.stream.clone_dtod(v)? },
-                    LState::Gdn { ring, s } => LState::Gdn { ring: cl(ring)?, s: cl(s)? },
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(DeviceState {
-            max_ctx: self.max_ctx,
-            nsplit: self.nsplit,
-            len: self.len,
-            pos: g.stream.clone_dtod(&self.pos)?,
-            tok: g.stream.clone_dtod(&self.tok)?,
-            x: cl(&self.x)?,
-            proj: cl(&self.proj)?,
-            o: cl(&self.o)?,
-            qbuf: cl(&self.qbuf)?,
-            part: cl(&self.part)?,
-            act: cl(&self.act)?,
-            router: cl(&self.router)?,
-            idx: g.stream.clone_dtod(&self.idx)?,
-            wts: cl(&self.wts)?,
-            logits: cl(&self.logits)?,
-            apv: cl(&self.apv)?,
-            api: g.stream.clone_dtod(&self.api)?,
-            counter: g.zeros(crate::gpu::MOE_COUNTER_LEN)?,
-            layers,
-            pos_stale: self.pos_stale,
-            route_log: None,
-            graph: None,
-        })
+    /// An independent copy with room for `tokens` (at least what it holds): full K/V pages shared, the rest of
+    /// the state copied ([`SeqMem::fork`]); the step buffers' contents copied too (the graph is not: it binds
+    /// this state's buffers).
+    pub fn fork(&self, m: &DeviceModel, tokens: usize) -> Result<DeviceState> {
+        let g = &*m.gpu;
+        let mem = SeqMem::fork(&self.mem, self.len, tokens.max(self.len).min(self.max_ctx))?;
+        let mut st = DeviceState::around(m, mem, self.len)?;
+        let s = &g.stream;
+        for (to, from) in [
+            (&mut st.x, &self.x),
+            (&mut st.proj, &self.proj),
+            (&mut st.o, &self.o),
+            (&mut st.qbuf, &self.qbuf),
+            (&mut st.part, &self.part),
+            (&mut st.act, &self.act),
+            (&mut st.router, &self.router),
+            (&mut st.wts, &self.wts),
+            (&mut st.logits, &self.logits),
+            (&mut st.apv, &self.apv),
+        ] {
+            s.memcpy_dtod(from, to)?;
+        }
+        for (to, from) in
+            [(&mut st.pos, &self.pos), (&mut st.tok, &self.tok), (&mut st.idx, &self.idx), (&mut st.api, &self.api)]
+        {
+            s.memcpy_dtod(from, to)?;
+        }
+        st.pos_stale = self.pos_stale;
+        Ok(st)
     }
 
     /// Enqueue one decode step: the ops of [`step_plan`] in order (embed tok, 40 layers, final norm + lm_head into
@@ -367,7 +400,7 @@ impl DeviceState {
 
     /// Capture the step in a CUDA graph (once) and replay it.
     pub fn step_graph(&mut self, m: &DeviceModel) -> Result<()> {
-        ensure!(self.len < self.max_ctx, "context full ({} tokens)", self.max_ctx);
+        ensure!(self.len < self.room, "context full: the sequence has room for {} tokens (its reservation)", self.room);
         self.sync_pos(&m.gpu)?;
         if self.graph.is_none() {
             let s = m.gpu.stream.clone();
@@ -384,7 +417,7 @@ impl DeviceState {
 
     /// One step without a graph (optionally profiled).
     pub fn step_plain(&mut self, m: &DeviceModel, prof: Option<&mut Profile>) -> Result<()> {
-        ensure!(self.len < self.max_ctx, "context full ({} tokens)", self.max_ctx);
+        ensure!(self.len < self.room, "context full: the sequence has room for {} tokens (its reservation)", self.room);
         self.sync_pos(&m.gpu)?;
         self.enqueue_step(m, prof)?;
         self.len += 1;
@@ -407,7 +440,7 @@ impl DeviceState {
 
     /// For benchmarks: pretend `len` tokens were read (the KV cache content is whatever it holds).
     pub fn set_len(&mut self, g: &Gpu, len: usize) -> Result<()> {
-        ensure!(len < self.max_ctx, "set_len: {len} >= capacity {}", self.max_ctx);
+        ensure!(len < self.room, "set_len: {len} >= room {}", self.room);
         g.stream.memcpy_htod(&[len as i32], &mut self.pos)?;
         self.len = len;
         self.pos_stale = false;
@@ -441,7 +474,14 @@ pub struct CudaOptions {
     /// Draws other than plain greedy run on the device ([`crate::sample`]): only the ids and asked-for logprobs
     /// cross to the host. Default: on; `TERN_GPU_SAMPLING=0` turns it off.
     pub gpu_sampling: bool,
+    /// Bytes of device memory for sequence state (the page pool: KV caches and recurrent states of running
+    /// sequences and prefix-cache snapshots). `None`: what is free once the weights are up, less
+    /// [`STATE_MEMORY_MARGIN`] (the prefill and batched-pass buffers, graphs and step buffers come from there).
+    pub state_memory: Option<usize>,
 }
+
+/// Device memory left outside the state pool by default (see [`CudaOptions::state_memory`]).
+pub const STATE_MEMORY_MARGIN: usize = 8 << 30;
 
 impl Default for CudaOptions {
     fn default() -> Self {
@@ -450,6 +490,7 @@ impl Default for CudaOptions {
             prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
             batched_decode: std::env::var("TERN_BATCH_DECODE").map_or(true, |v| v != "0"),
             gpu_sampling: std::env::var("TERN_GPU_SAMPLING").map_or(true, |v| v != "0"),
+            state_memory: None,
         }
     }
 }
@@ -480,7 +521,17 @@ impl CudaBackend {
     ) -> Result<CudaBackend> {
         let gpu = Gpu::new()?;
         let model = DeviceModel::upload_with_progress(gpu, w, progress)?;
+        CudaBackend::around(model, opts)
+    }
+
+    /// The backend over an uploaded model: its prefill chunk and its state pool's size set.
+    fn around(model: DeviceModel, opts: CudaOptions) -> Result<CudaBackend> {
         model.set_prefill_chunk(opts.prefill_chunk)?;
+        let bytes = match opts.state_memory {
+            Some(b) => b,
+            None => model.gpu.ctx.mem_get_info()?.0.saturating_sub(STATE_MEMORY_MARGIN),
+        };
+        model.pool.set_limit(bytes);
         Ok(CudaBackend { model: Arc::new(model), opts })
     }
 
@@ -488,13 +539,26 @@ impl CudaBackend {
     pub fn random(config: &Config, seed: u64, opts: CudaOptions) -> Result<CudaBackend> {
         let gpu = Gpu::new()?;
         let model = DeviceModel::random(gpu, config, seed)?;
-        model.set_prefill_chunk(opts.prefill_chunk)?;
-        Ok(CudaBackend { model: Arc::new(model), opts })
+        CudaBackend::around(model, opts)
     }
 
+    /// A new sequence with room for the whole context.
     pub fn new_cuda_sequence(&self) -> Result<CudaSequence> {
-        let st = DeviceState::new(&self.model, self.opts.max_context)?;
+        self.new_cuda_sequence_for(self.opts.max_context)
+    }
+
+    /// A new sequence with room for `tokens` (its pages mapped now; [`crate::pool::PoolFull`] without room).
+    pub fn new_cuda_sequence_for(&self, tokens: usize) -> Result<CudaSequence> {
+        let st = DeviceState::with_room(&self.model, self.opts.max_context, tokens)?;
         Ok(CudaSequence { model: self.model.clone(), st, gpu_sampling: self.opts.gpu_sampling })
+    }
+
+    /// The most tokens one sequence could hold in the whole pool (its recurrent state included).
+    pub fn tokens_that_fit(&self) -> usize {
+        let l = DeviceState::layout(&self.model, self.opts.max_context);
+        let pages = self.model.pool.limit_pages().saturating_sub(l.gdn_pages);
+        let per_page = l.page / l.row.max(1);
+        (pages / (2 * l.kv.len()).max(1) * per_page).min(self.opts.max_context)
     }
 }
 

@@ -33,7 +33,7 @@ fn twins(be: &CudaBackend, b: usize) -> (Vec<DeviceState>, Vec<DeviceState>) {
         if s > 0 {
             st.prefill(m, &prompt(s as u64, 1 + (s * 37) % 150, v), false, false).unwrap();
         }
-        let mut twin = st.fork(&m.gpu).unwrap();
+        let mut twin = st.fork(m, usize::MAX).unwrap();
         twin.route_log = Some(m.gpu.zeros::<i32>(log_len).unwrap());
         st.route_log = Some(m.gpu.zeros::<i32>(log_len).unwrap());
         alone.push(twin);
@@ -105,7 +105,7 @@ fn compare(be: &CudaBackend, b: usize, steps: usize, batched_until: usize, hold:
         for s in 0..b {
             assert_eq!(bat[s].len, alone[s].len, "step {step} row {s}: lengths");
             if ra[s] != rb[s] {
-                let mut twin = alone[s].fork(&m.gpu).unwrap();
+                let mut twin = alone[s].fork(m, usize::MAX).unwrap();
                 twin.route_log = Some(m.gpu.zeros::<i32>(log_len).unwrap());
                 bat[s] = twin;
                 continue;
@@ -399,7 +399,7 @@ fn multi_sequence_prefill_equals_each_prefill_alone() {
             if h > 0 {
                 st.prefill(m, &prompt(s as u64, h, v), false, false).unwrap();
             }
-            alone.push(st.fork(&m.gpu).unwrap());
+            alone.push(st.fork(m, usize::MAX).unwrap());
             multi.push(st);
         }
         let want = vec![RowWant { logits: true, draw: Draw::Argmax(v) }; chunks.len()];

@@ -96,7 +96,7 @@ fn decode_step_matches_cpu_forward_on_tiny_b() {
             println!("tiny-b step {t}: rel err {e:.2e}");
         }
         if t == 100 {
-            let copy = seq.st.fork(&be.model.gpu).unwrap();
+            let copy = seq.st.fork(&be.model, usize::MAX).unwrap();
             fork_at = Some((CudaSequence { model: seq.model.clone(), st: copy, gpu_sampling: false }, st.clone()));
         }
     }
@@ -194,7 +194,7 @@ fn allocation_on_a_full_gpu_is_an_error_not_a_panic() {
     assert!(matches!(step1(&b, again, &[4], Want::Nothing), Output::Nothing));
     assert!(matches!(b.alloc(1 << 21), Err(AllocError::TooLarge { .. })));
     // the startup log's sizing: a live sequence holds what DeviceState::bytes_at adds up
-    let want = tern_cuda::DeviceState::bytes_at(&b.cuda.model, 1 << 20).total();
+    let want = tern_cuda::DeviceState::bytes_at(&b.cuda.model, 1 << 20, 16).total();
     assert_eq!(b.state_bytes(again), want, "a sequence's device bytes vs DeviceState::bytes_at");
 }
 
@@ -235,4 +235,94 @@ fn constrained_decoding_cost_on_cuda() {
             r.case, r.tokens, r.ms_per_token, r.mask_us, r.wait_us
         );
     }
+}
+
+/// The state pool (tern_cuda::pool) through the backend seam: a sequence maps its recurrent state and the K/V
+/// pages of its reservation; a fork of a sequence holding more than two pages of keys shares those full pages
+/// (the pool grows by the recurrent state and one page per K/V region only) and continues exactly like its
+/// source; the shared pages outlive the source (a sequence allocated and filled after the source is freed does
+/// not disturb them); freeing everything gives every page back; and a pool without room answers
+/// `AllocError::Full` (or `TooLarge` for more than the whole pool), never a panic.
+#[test]
+fn pool_pages_are_shared_by_forks_and_come_back() {
+    let Some(_g) = gpu_or_skip("pool_pages_are_shared_by_forks_and_come_back") else { return };
+    let w = tiny_b_q4();
+    let v = w.config.vocab_size;
+    let ctx = 1 << 15;
+    let b = CudaSlots::new(CudaBackend::new(&w, CudaOptions::with_context(ctx)).unwrap());
+    let m = b.cuda.model.clone();
+    let pool = &m.pool;
+    let l = tern_cuda::DeviceState::layout(&m, ctx);
+    let regions = 2 * l.kv.len();
+    let per_page = l.page / l.row;
+    let n = 2 * per_page + 100; // two full pages of keys and a partial one
+    let reserve = n + 64;
+    let ids: Vec<u32> = (0..n as u64).map(|i| ((i * 2654435761 + 3) % v as u64) as u32).collect();
+    let base = pool.used_pages();
+    let s = b.alloc(reserve).unwrap();
+    assert_eq!(pool.used_pages() - base, l.pages_for(reserve), "pages of a new sequence");
+    assert!(matches!(step1(&b, s, &ids, Want::Nothing), Output::Nothing));
+    let before = pool.used_pages();
+    let f = b.fork(s, reserve).unwrap();
+    let g = b.fork(s, reserve).unwrap();
+    let fresh = l.gdn_pages + regions * (l.region_pages_for(reserve) - l.full_pages(n));
+    assert_eq!(l.full_pages(n), 2);
+    assert_eq!(pool.used_pages() - before, 2 * fresh, "a fork maps fresh pages only past the full ones");
+    let logits = |o: Output| match o {
+        Output::Logits(l) => l,
+        o => panic!("{o:?}"),
+    };
+    let next = [7u32, 11, 400];
+    let mut want = Vec::new();
+    for &t in &next {
+        let (ls, lf) = (logits(step1(&b, s, &[t], Want::Last)), logits(step1(&b, f, &[t], Want::Last)));
+        let e = rel(&lf, &ls);
+        assert!(e < 1e-6 && ls.iter().all(|x| x.is_finite()), "fork vs source after {t}: rel {e:e}");
+        want.push(ls);
+    }
+    b.free(s);
+    // pages freed by the source go to a new sequence; the forks' shared pages must not
+    let h = b.alloc(reserve).unwrap();
+    let other: Vec<u32> = ids.iter().map(|&i| (i * 7 + 1) % v as u32).collect();
+    assert!(matches!(step1(&b, h, &other, Want::Nothing), Output::Nothing));
+    let mut worst = 0f32;
+    for (&t, w) in next.iter().zip(&want) {
+        worst = worst.max(rel(&logits(step1(&b, g, &[t], Want::Last)), w));
+    }
+    println!(
+        "pool: {} KiB pages, {per_page} positions a page; a sequence of {reserve} tokens maps {} pages, a fork {fresh} \
+         fresh; the second fork after the source was freed: rel {worst:.1e}",
+        l.page >> 10,
+        l.pages_for(reserve)
+    );
+    assert!(worst < 1e-6, "a fork read after its source was freed: rel {worst:e}");
+    for q in [f, g, h] {
+        b.free(q);
+    }
+    // freed ranges stay mapped for the next sequences (parked) until the pool needs their pages
+    assert!(pool.used_pages() > base, "freed ranges parked");
+    pool.release_parked();
+    assert_eq!(pool.used_pages(), base, "every page back");
+    // a parked range serves the next sequence of its size as it is: no new pages
+    let p = b.alloc(reserve).unwrap();
+    b.free(p);
+    let parked = pool.used_pages();
+    let q = b.alloc(reserve).unwrap();
+    assert_eq!(pool.used_pages(), parked, "the parked range reused");
+    assert!(matches!(step1(&b, q, &ids[..100], Want::Nothing), Output::Nothing));
+    b.free(q);
+    pool.release_parked();
+    // a pool where one running sequence leaves room for one page fewer than another needs: "full" (wait), and
+    // more than the whole pool is "too large" (refuse); once the running one is freed there is room
+    let x = b.alloc(16).unwrap();
+    pool.set_limit((pool.used_pages() + l.pages_for(16) - 1) * l.page);
+    let full = b.alloc(16);
+    assert!(matches!(full, Err(AllocError::Full { .. })), "{full:?}");
+    let too = b.alloc(ctx);
+    println!("pool limit: {}; {}", full.unwrap_err(), too.as_ref().map_or_else(|e| e.to_string(), |_| "ok".into()));
+    assert!(matches!(too, Err(AllocError::TooLarge { .. })), "{too:?}");
+    assert!(matches!(step1(&b, x, &[1, 2, 3], Want::Last), Output::Logits(_)), "the running one still works");
+    b.free(x);
+    let ok = b.alloc(16).unwrap();
+    assert!(matches!(step1(&b, ok, &[1, 2, 3], Want::Last), Output::Logits(_)));
 }

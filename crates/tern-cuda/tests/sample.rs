@@ -291,3 +291,40 @@ fn same_seed_same_outputs() {
     }
     println!("same seeds, same outputs: {} sets x 64 rows x 2 vocabularies", SETS.len());
 }
+
+/// A lone top-k row (a batch of one, no mask, bias, penalty or log-probabilities) takes its first three passes over
+/// the whole GPU (sample.cu `sample_pre_*`): its outputs equal, bit for bit, those of the same row drawn by the
+/// one-block path (as row 0 of a batch of two), over top-k 1, 20, 50 and 1024, confident and flat rows, NaN logits,
+/// ties, and the reference agrees.
+#[test]
+fn lone_row_over_the_grid_equals_the_block_path() {
+    let Some(g) = gpu_or_skip("lone_row_over_the_grid_equals_the_block_path") else { return };
+    let mut tally = Tally::default();
+    let mut same = 0;
+    for (k, temp) in [(1usize, 1.0f32), (20, 0.7), (50, 0.8), (1024, 1.0)] {
+        for s in 0..24u64 {
+            let seed = 7000 + 100 * k as u64 + s;
+            let mut one = row("T1 no cuts", REAL_VOCAB, REAL_LIMIT, s as usize, seed);
+            one.params = params(temp, k, 0.95, 0.0);
+            one.top_logprobs = None;
+            match s % 6 {
+                4 => one.logits.iter_mut().step_by(3).for_each(|l| *l = f32::NAN),
+                5 => one.logits.iter_mut().for_each(|l| *l = (*l * 2.0).round()),
+                _ => {}
+            }
+            let mut other = row("T1 no cuts", REAL_VOCAB, REAL_LIMIT, 1, seed + 1);
+            other.top_logprobs = None;
+            let alone = [one];
+            let got = run(&g, &alone, &batch_of(&alone, REAL_VOCAB));
+            tally.check(&format!("lone top_k {k} seed {seed}"), &alone, &batch_of(&alone, REAL_VOCAB), &got);
+            let [one] = alone;
+            let pair = [one, other];
+            let both = run(&g, &pair, &batch_of(&pair, REAL_VOCAB));
+            let bits = |o: &SampleOut| (o.token, o.status, o.logprob.to_bits());
+            assert_eq!(bits(&got[0]), bits(&both[0]), "top_k {k} seed {seed}: the lone row vs the block path");
+            same += 1;
+        }
+    }
+    tally.finish("lone top-k rows");
+    println!("lone top-k rows: {same} draws equal to the one-block path's, bit for bit");
+}

@@ -124,6 +124,16 @@ struct SampleSmem {
     float raw_b, raw_p;
 };
 
+// What sample_pre_* found for a lone row (see there).
+struct SamplePre {
+    unsigned long long am;  // max composite key of (v + 0, i) over the row: the argmax
+    unsigned long long c;   // the prefilter's threshold (0: sample_rows searches the row itself)
+    unsigned int ncand;     // candidates claimed (<= S_KMAX when c != 0)
+    unsigned int pad;
+    unsigned int hist[S_HBINS];
+    unsigned long long cand[S_KMAX];
+};
+
 // Order-preserving key of a float (total order: -0 below +0; NaN never reaches here) and back.
 __device__ __forceinline__ uint32_t ord_key(float v) {
     const uint32_t b = __float_as_uint(v);
@@ -349,6 +359,40 @@ __device__ void sort_desc(int nc, SampleSmem& sm) {
     }
 }
 
+// Warp 0's part of the prefilter (every lane of the warp returns it): from the counts by distance below the
+// maximum key km, the threshold of the nearest bins that hold k keys (0: they hold fewer, or more than S_KMAX).
+__device__ unsigned long long prefilter_cut(const unsigned int* hist, uint32_t km, int k) {
+    const int lane = threadIdx.x & 31;
+    constexpr int PER = S_HBINS / 32;  // lane l sums bins [64 l, 64 l + 64); the first bin where the count reaches k
+    unsigned int own = 0;
+    for (int b = 0; b < PER; b++) own += hist[lane * PER + b];
+    unsigned int inc = own;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned int t = __shfl_up_sync(FULL_MASK, inc, o);
+        if (lane >= o) inc += t;
+    }
+    const unsigned int before = inc - own;
+    const unsigned int hit = __ballot_sync(FULL_MASK, inc >= (unsigned int)k);
+    if (!hit) return 0ull;
+    unsigned long long res = 0ull;
+    if (lane == __ffs(hit) - 1) {
+        unsigned int cum = before;
+        int b = lane * PER;
+        while (true) {
+            cum += hist[b];
+            if (cum >= (unsigned int)k) break;
+            b++;
+        }
+        const uint32_t span = (uint32_t)(b + 1) << S_HSHIFT;  // keys with km - key < span
+        const uint32_t lo32 = km >= span ? km - span + 1 : 0u;
+        unsigned long long c = (unsigned long long)lo32 << 32;
+        c = c > S_LO_FINITE ? c : S_LO_FINITE;
+        res = cum <= S_KMAX ? c : 0ull;
+    }
+    return __shfl_sync(FULL_MASK, res, __ffs(hit) - 1);
+}
+
 // Path (a): the top_k best keys, then the host's f64 steps. Returns the id (every thread).
 // The composite key threshold c of the top_k keys' candidates: every key >= c, at least top_k of them and at most
 // S_KMAX, from one counting pass over the bins below the maximum key km (the nearest bins that hold top_k keys);
@@ -362,45 +406,29 @@ __device__ unsigned long long topk_prefilter(const float* x, int n, uint32_t km,
         if (ok && v > -INFINITY && d < ((uint32_t)S_HBINS << S_HSHIFT)) atomicAdd(&sm.hist[d >> S_HSHIFT], 1u);
     });
     __syncthreads();
-    if (tid < 32) {  // warp 0: lane l sums bins [64 l, 64 l + 64); the first bin where the running count reaches k
-        constexpr int PER = S_HBINS / 32;
-        unsigned int own = 0;
-        for (int b = 0; b < PER; b++) own += sm.hist[lane * PER + b];
-        unsigned int inc = own;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const unsigned int t = __shfl_up_sync(FULL_MASK, inc, o);
-            if (lane >= o) inc += t;
-        }
-        const unsigned int before = inc - own;
-        const unsigned int hit = __ballot_sync(FULL_MASK, inc >= (unsigned int)k);
-        if (lane == 0) sm.rs_result = 0;
-        __syncwarp();
-        if (hit && lane == __ffs(hit) - 1) {
-            unsigned int cum = before;
-            int b = lane * PER;
-            while (true) {
-                cum += sm.hist[b];
-                if (cum >= (unsigned int)k) break;
-                b++;
-            }
-            const uint32_t span = (uint32_t)(b + 1) << S_HSHIFT;  // keys with km - key < span
-            const uint32_t lo32 = km >= span ? km - span + 1 : 0u;
-            unsigned long long c = (unsigned long long)lo32 << 32;
-            c = c > S_LO_FINITE ? c : S_LO_FINITE;
-            sm.rs_result = cum <= S_KMAX ? c : 0ull;
-        }
+    if (tid < 32) {
+        const unsigned long long c = prefilter_cut(sm.hist, km, k);
+        if (lane == 0) sm.rs_result = c;
     }
     __syncthreads();
     return sm.rs_result;
 }
 
-__device__ uint32_t draw_topk(const float* x, int n, const SampleRow& p, uint32_t km, double u, SampleSmem& sm) {
+__device__ uint32_t draw_topk(const float* x, int n, const SampleRow& p, uint32_t km, double u, SampleSmem& sm,
+                              const SamplePre* pre) {
     const int tid = threadIdx.x;
-    // the top_k keys: a prefilter's candidates sorted and cut (two passes over the row), else a radix search
-    unsigned long long c = topk_prefilter(x, n, km, (int)p.top_k, sm);
-    if (c == 0) c = radix_search(x, n, S_LO_FINITE, (double)p.top_k, false, 0.f, 0.0, sm);
-    int nc = gather(x, n, c, sm);
+    // the top_k keys: a prefilter's candidates sorted and cut (two passes over the row, or the grid's sample_pre_*),
+    // else a radix search
+    int nc;
+    if (pre && pre->c) {
+        nc = min(pre->ncand, (unsigned int)S_KMAX);
+        for (int j = tid; j < nc; j += S_THREADS) sm.cand[j] = pre->cand[j];
+        __syncthreads();
+    } else {
+        unsigned long long c = topk_prefilter(x, n, km, (int)p.top_k, sm);
+        if (c == 0) c = radix_search(x, n, S_LO_FINITE, (double)p.top_k, false, 0.f, 0.0, sm);
+        nc = gather(x, n, c, sm);
+    }
     sort_desc(nc, sm);
     nc = min(nc, (int)p.top_k);
     const double mx = (double)key_value((uint32_t)(sm.cand[0] >> 32)), temp = (double)p.temperature;
@@ -524,15 +552,99 @@ __device__ uint32_t draw_scan(const float* x, int n, const SampleRow& p, float M
     return sm.token;
 }
 
+// ---- a lone row over the whole GPU: sample_pre_max, sample_pre_hist, sample_pre_gather
+// A batch of one row leaves every SM but one idle while sample_rows walks the row three times for path (a) (the
+// maximum, the prefilter's counts, the gather: ~25 us a pass over 248k logits on one SM). For a row that takes path
+// (a) with nothing changing its logits (no mask, bias or penalty) and no log-probabilities, these three grid-wide
+// kernels (any grid, blockDim a multiple of 32, <= 1024) make those passes into a SamplePre zeroed before the first,
+// and sample_rows (row 0, `pre` non-null) takes their results instead: the same maximum (a max), the same counts
+// (integer sums), the same threshold (prefilter_cut) and the same candidate set (claimed in another order, sorted
+// after): the same id, bit for bit. x: the row (NaN -> -inf in place, as step 1), n its limit, k its top_k.
+
+// Grid-stride over float4 units of the row: f(i, x[i]) for every i < n.
+template <typename F>
+__device__ __forceinline__ void grid_each(const float* x, int n, F f) {
+    const int nu = (n + 3) >> 2, step = gridDim.x * blockDim.x;
+    const bool vec = (reinterpret_cast<uintptr_t>(x) & 15) == 0;
+    for (int u = blockIdx.x * blockDim.x + threadIdx.x; u < nu; u += step) {
+        const int i = 4 * u;
+        if (vec && i + 3 < n) {
+            const float4 v = reinterpret_cast<const float4*>(x)[u];
+            f(i, v.x);
+            f(i + 1, v.y);
+            f(i + 2, v.z);
+            f(i + 3, v.w);
+        } else {
+            for (int j = i; j < min(n, i + 4); j++) f(j, x[j]);
+        }
+    }
+}
+
+extern "C" __global__ void sample_pre_max(float* __restrict__ x, int n, SamplePre* __restrict__ pre) {
+    KTRACE(51);
+    pdl_wait();
+    unsigned long long am = 0;
+    grid_each(x, n, [&](int i, float v) {
+        if (v != v) {
+            v = -INFINITY;
+            x[i] = v;
+        }
+        am = max(am, comp_key(__fadd_rn(v, 0.f), i));
+    });
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) am = max(am, __shfl_xor_sync(FULL_MASK, am, o));
+    if ((threadIdx.x & 31) == 0) atomicMax(&pre->am, am);
+}
+
+extern "C" __global__ void sample_pre_hist(const float* __restrict__ x, int n, SamplePre* __restrict__ pre) {
+    KTRACE(52);
+    __shared__ unsigned int h[S_HBINS];
+    for (int b = threadIdx.x; b < S_HBINS; b += blockDim.x) h[b] = 0;
+    __syncthreads();
+    pdl_wait();
+    const uint32_t km = (uint32_t)(pre->am >> 32);
+    grid_each(x, n, [&](int, float v) {
+        const uint32_t d = km - ord_key(v);
+        if (v > -INFINITY && d < ((uint32_t)S_HBINS << S_HSHIFT)) atomicAdd(&h[d >> S_HSHIFT], 1u);
+    });
+    __syncthreads();
+    for (int b = threadIdx.x; b < S_HBINS; b += blockDim.x)
+        if (h[b]) atomicAdd(&pre->hist[b], h[b]);
+}
+
+extern "C" __global__ void sample_pre_gather(const float* __restrict__ x, int n, int k, SamplePre* __restrict__ pre) {
+    KTRACE(53);
+    __shared__ unsigned long long cut;
+    pdl_wait();
+    if (threadIdx.x < 32) {
+        const unsigned long long c = prefilter_cut(pre->hist, (uint32_t)(pre->am >> 32), k);
+        if (threadIdx.x == 0) {
+            cut = c;
+            if (blockIdx.x == 0) pre->c = c;
+        }
+    }
+    __syncthreads();
+    const unsigned long long c = cut;
+    if (c == 0) return;
+    grid_each(x, n, [&](int i, float v) {
+        const unsigned long long key = comp_key(v, i);
+        if (key >= c) {
+            const unsigned int s = atomicAdd(&pre->ncand, 1u);
+            if (s < S_KMAX) pre->cand[s] = key;
+        }
+    });
+}
+
 extern "C" __global__ void __launch_bounds__(S_THREADS, 1)
     sample_rows(float* __restrict__ logits, long long ld, const SampleRow* __restrict__ rows,
                 SamplePenalty* __restrict__ pens, SampleBias* __restrict__ biases, const uint32_t* __restrict__ masks,
-                SampleOut* __restrict__ outs) {
+                SampleOut* __restrict__ outs, const SamplePre* __restrict__ pre) {
     KTRACE(50);
     __shared__ SampleSmem sm;
     const int tid = threadIdx.x;
     pdl_wait();
     const SampleRow p = rows[blockIdx.x];
+    const SamplePre* pr = blockIdx.x == 0 ? pre : nullptr;  // sample_pre_* made row 0's first passes
     float* x = logits + (size_t)blockIdx.x * (size_t)ld;
     SampleOut* out = outs + blockIdx.x;
     const int n = (int)p.limit;
@@ -541,15 +653,19 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 1)
     // too when neither a mask, a bias nor a penalty changes the row (one pass fewer)
     unsigned long long cm = 0, am = 0;
     const bool lps = p.logprobs >= 0;  // the raw maximum is only for the log-probabilities
-    row_each(x, n, [&](int i, float v, bool ok) {
-        if (!ok) return;
-        if (v != v) {
-            v = -INFINITY;
-            x[i] = v;
-        }
-        if (lps) cm = max(cm, comp_key(v, i));
-        am = max(am, comp_key(__fadd_rn(v, 0.f), i));
-    });
+    if (pr) {
+        am = pr->am;  // (no log-probabilities on that path)
+    } else {
+        row_each(x, n, [&](int i, float v, bool ok) {
+            if (!ok) return;
+            if (v != v) {
+                v = -INFINITY;
+                x[i] = v;
+            }
+            if (lps) cm = max(cm, comp_key(v, i));
+            am = max(am, comp_key(__fadd_rn(v, 0.f), i));
+        });
+    }
     // 2. log-probabilities of the raw logits
     double lse = 0.0;
     int ntop = 0;
@@ -635,7 +751,7 @@ extern "C" __global__ void __launch_bounds__(S_THREADS, 1)
     if (p.temperature > 0.f && cm >= S_LO_FINITE) {
         const double u = first_uniform(p.seed);
         if (p.top_k > 0 && p.top_k <= S_KMAX)
-            token = draw_topk(x, n, p, (uint32_t)(cm >> 32), u, sm);
+            token = draw_topk(x, n, p, (uint32_t)(cm >> 32), u, sm, pr);
         else
             token = draw_scan(x, n, p, key_value((uint32_t)(cm >> 32)), u, sm);
     }

@@ -32,10 +32,16 @@ pub struct Args {
     #[arg(long, default_value_t = 32768)]
     pub ctx_size: usize,
     /// Sequences decoded at once, at most (admission is also by free memory: a request that does not fit waits
-    /// for running ones to finish). On CUDA each reserves its context's KV cache (~20 KB a token) and 67 MB of
-    /// recurrent state (the startup log says what one holds and how many fit).
+    /// for running ones to finish). On CUDA each takes, from the state pool (--state-mib), 67 MB of recurrent
+    /// state and 20 KB a token of KV cache for its prompt + max_tokens, in 2 MiB pages (the startup log says how
+    /// many fit).
     #[arg(long, default_value_t = 64)]
     pub max_concurrent: usize,
+    /// MiB of GPU memory for sequence state on CUDA: one pool of pages holding the KV caches and recurrent states
+    /// of the running sequences and of the prefix cache's snapshots. 0: what is free once the weights are up,
+    /// less 8 GiB (the prefill and batch buffers, CUDA graphs and per-sequence step buffers).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1 << 30))]
+    pub state_mib: u64,
     /// Requests waiting beyond the running ones before the server answers 503 (0: none wait).
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -83,11 +89,12 @@ fn seconds(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(x).map_err(|_| format!("'{s}' is not a number of seconds from 0 up"))
 }
 
-/// Start a runtime, listen at once, load the model in the background with `load(model, backend, ctx_size)`
+/// Start a runtime, listen at once, load the model in the background with `load(model, backend, ctx_size,
+/// state memory in bytes or None)`
 /// (/health answers 503 until it is ready), serve until SIGINT/SIGTERM and shut down within the grace.
 pub fn main(
     args: Args,
-    load: impl FnOnce(&str, &str, usize) -> Result<tern_engine::Model> + Send + 'static,
+    load: impl FnOnce(&str, &str, usize, Option<usize>) -> Result<tern_engine::Model> + Send + 'static,
 ) -> Result<()> {
     let opts = ServeOptions {
         host: args.host,
@@ -110,10 +117,11 @@ pub fn main(
     };
     opts.check()?;
     let (model, backend, ctx) = (args.model, args.backend, args.ctx_size);
+    let state = (args.state_mib > 0).then(|| usize::try_from(args.state_mib << 20).unwrap_or(usize::MAX));
     let rt = tokio::runtime::Runtime::new()?;
     let served = rt.block_on(async move {
         let listener = crate::bind(&opts).await?;
-        crate::run(listener, move || load(&model, &backend, ctx), opts, crate::shutdown_signal()).await
+        crate::run(listener, move || load(&model, &backend, ctx, state), opts, crate::shutdown_signal()).await
     });
     // Do not wait for blocking work still going (a model still loading, a prompt still tokenising).
     rt.shutdown_background();
