@@ -23,6 +23,6 @@ done
 qwen=${TERN_QWEN_DIR:-../shared/qwen3.6-35b-a3b}
 cp "$qwen"/{config.json,tokenizer_config.json,chat_template.jinja,generation_config.json} .carry/qwen/
 gzip -c "$qwen/tokenizer.json" >.carry/qwen/tokenizer.json.gz  # 33 MB -> a few: the transfer limit is 64 MiB
-cp "$qwen/../tools/serve_probe.py" tools/soak.py tools/ncu_stalls.py tools/probe_client_cost.py .carry/
+cp "$qwen/../tools/serve_probe.py" tools/soak.py tools/ncu_stalls.py tools/probe_client_cost.py tools/serve_load.py .carry/
 git rev-parse --short HEAD >.carry/commit
 ls -la .carry

@@ -4,7 +4,8 @@
 #                                        filter: an extended regex on bin::name (prefill::, 'batch::|moe_rows', ...)
 #   tools/cuda-run.sh ignored [filter]   the slow full-shape tests
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
-#   tools/cuda-run.sh serve [serve args] tern serve --backend cuda on a full-shape random checkpoint, serve_probe.py
+#   tools/cuda-run.sh serve [serve args] tern serve --backend cuda on a full-shape random checkpoint, serve_probe.py,
+#                                        probe_client_cost.py, serve_load.py
 #   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
 #   tools/cuda-run.sh soak-start SECS [clients], then soak-wait  a soak longer than one call (two calls back to back)
 #   tools/cuda-run.sh ncu [kernel regex]  Nsight Compute on the batched decode's kernels (NCU_SKIP, NCU_COUNT)
@@ -93,6 +94,8 @@ serve | soak)
     timeout 500 python3 .carry/serve_probe.py --port 8080 ${PROBE_ARGS:-} --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt"
     # what the probe's own client costs (a fresh httpx client per request): the floor under its TTFT and wall
     python3 .carry/probe_client_cost.py --port 8080 2>&1 | tee "$OUT/client_cost.txt"
+    # the same streams from one kept-alive asyncio client: what the server sustains without the probe's client
+    python3 .carry/serve_load.py --port 8080 --streams 8,32,64 --repeats 2 2>&1 | tee "$OUT/serve_load.txt"
   else
     for _ in $(seq 120); do curl -sf localhost:8080/health >/dev/null && break; sleep 1; done
     python3 .carry/soak.py --port 8080 --clients "$clients" --seconds "$secs" --pid $pid --state-on gpu \

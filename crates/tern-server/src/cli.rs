@@ -51,7 +51,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub step_tokens: usize,
     /// MiB of sequence state the prefix cache keeps across requests (snapshots at the start of a turn and after
-    /// each reply; on CUDA in device memory beside the running sequences, on the CPU in RAM). 0 turns it off; at
+    /// each reply; on CUDA in the state pool beside the running sequences, on the CPU in RAM). 0 turns it off; at
     /// most 1,048,576 (1 TiB).
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
     pub prefix_cache_mib: u64,
