@@ -4,7 +4,8 @@
 // the row layout (SampleRow & co., mirrored exactly below), the host-side packing and `sample_reference`, a
 // pure-Rust copy of this algorithm that the tests compare against.
 //
-// sample_rows(logits, ld, rows, pens, biases, masks, outs), grid B, 1024 threads:
+// sample_rows(logits, ld, rows, pens, biases, masks, outs, pre), grid B, 1024 threads (pre: null, or row 0's
+// first passes made by sample_pre_*):
 //   rows[b]   SampleRow: temperature, top_k, top_p, min_p, repetition/presence/frequency penalty, limit (ids >= limit
 //             are padding: never read), seed, logprobs (-1 none, else how many top entries, <= 20), the row's
 //             slices pens[pen_off..+pen_len] (id, count: the history counted on the host) and
@@ -47,9 +48,10 @@
 // at a time, row_each): the NaN + argmax pass (the argmax pass again after a mask, bias or penalty), then (a) the
 // counting pass and the gather, or (b) 1-4 radix levels (each one pass; ties at the threshold add levels) and a
 // scan pass (+2 passes and a top-N select with logprobs, +1 with a mask, +1 for the top-p mass). FLOPs per row:
-// ~20n per pass that needs weights (exp_det). On the H200 (a row of 248k, top-k 20, top-p 0.95) a batched step of
-// one row takes 0.08 ms longer sampled than greedy (whose argmax is this kernel's first pass): one block on one SM
-// is what bounds a single row's draw.
+// ~20n per pass that needs weights (exp_det). On the H200 (a row of 248k, top-k 20, top-p 0.95) a batch of one row
+// took 0.08 ms longer sampled than greedy (whose argmax is this kernel's first pass), one block on one SM walking
+// the row three times; such a lone row's first three passes now run over the whole GPU first (sample_pre_max,
+// sample_pre_hist, sample_pre_gather: their contract is above their code, below; `pre`), the same id bit for bit.
 #include "common.cuh"
 
 #define S_THREADS 1024
