@@ -144,15 +144,19 @@ def sampling_suite(root, key, pid, log):
     r = api.post("/v1/chat/completions", {"messages": user(), "max_tokens": 3})
     check(r.status_code == 200, f"a request after the top_k attacks: {r.status_code} {r.text[:200]}")
 
-    # top_k at the vocabulary size (a natural "no limit") was quadratic: ~2.3 s a token, 92 s for these 40.
+    # top_k at the vocabulary size (a natural "no limit") was quadratic: ~2.3 s a token, 92 s for these 40. A draw at
+    # T 1 over the whole vocabulary may pick an end-of-text id before 40 (it did once in CI): the bound is per token.
     for k in (VOCAB, VOCAB - 1):
         t0 = time.time()
         r = api.post("/v1/completions", {"prompt": "Once", "max_tokens": 40, "temperature": 1, "top_k": k,
-                                         "stop": ["\u0000never"]})
+                                         "stop": ["\u0000never"], "seed": 11})
         dt = time.time() - t0
-        check(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40, r.text[:300])
-        check(dt < 15, f"top_k {k}: 40 tokens took {dt:.1f} s")
-        print(f"top_k {k}: 40 tokens in {dt:.2f} s")
+        check(r.status_code == 200, r.text[:300])
+        n = r.json()["usage"]["completion_tokens"]
+        reason = r.json()["choices"][0]["finish_reason"]
+        check(n == 40 or (n >= 1 and reason == "stop"), r.text[:300])
+        check(dt < 15 * n / 40 + 1, f"top_k {k}: {n} tokens took {dt:.1f} s")
+        print(f"top_k {k}: {n} tokens in {dt:.2f} s ({reason})")
 
     # Every other sampling field is bounded where it enters, with the limit in the message and the right param.
     bad = [
