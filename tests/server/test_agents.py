@@ -202,6 +202,7 @@ def structured_suite(base, key):
                                    response_format={"type": "json_object"}), 400)
     m = httpx.get(f"{root}/metrics", headers={"Authorization": f"Bearer {key}"}).text
     check("tern_constraint_masks_total" in m, "mask counters in /metrics")
+    check("tern_state_memory_bytes" in m, "the backend's sequence state in /metrics")
     print(f"structured: {checked} constrained replies validated")
 
 

@@ -265,6 +265,16 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
+/// A backend's sequence state against its bound (see [`Backend::state_memory`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateMemory {
+    /// Bytes held now: running sequences and prefix-cache snapshots (the CPU backend counts their reservations; the
+    /// CUDA backend its pool's pages in use, freed ranges kept mapped for reuse included).
+    pub used: usize,
+    /// Bytes it may hold at most (`None`: no bound but the machine's).
+    pub limit: Option<usize>,
+}
+
 pub trait Backend: Send + Sync {
     /// "cpu", "cuda", ...
     fn name(&self) -> &str;
@@ -280,6 +290,10 @@ pub trait Backend: Send + Sync {
     fn len(&self, seq: SeqId) -> Option<usize>;
     /// Bytes of memory the sequence's state takes now (0 for an unknown id): what the prefix cache counts.
     fn state_bytes(&self, seq: SeqId) -> usize;
+    /// What all sequence state takes of the memory the backend may use (/metrics); `None`: not tracked.
+    fn state_memory(&self) -> Option<StateMemory> {
+        None
+    }
     /// Run one step: one result per item, in order (see the module documentation).
     fn step(&self, work: &[Work]) -> Vec<Result<Output>>;
     /// Tokens one step should read when the engine is not told otherwise ([`crate::EngineConfig::step_tokens`]
@@ -550,6 +564,10 @@ impl Backend for CpuBackend {
         self.len(seq).map_or(0, |n| State::bytes_for(&self.weights.config, n))
     }
 
+    fn state_memory(&self) -> Option<StateMemory> {
+        Some(StateMemory { used: self.slots.lock().reserved_bytes(), limit: self.capacity })
+    }
+
     fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
         let vocab = self.vocab_size();
         let mut results: Vec<Option<Result<Output>>> = work.iter().map(|_| None).collect();
@@ -728,6 +746,9 @@ where
     }
     fn state_bytes(&self, seq: SeqId) -> usize {
         self.inner.state_bytes(seq)
+    }
+    fn state_memory(&self) -> Option<StateMemory> {
+        self.inner.state_memory()
     }
     fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
         (self.hook)(&self.inner, work)

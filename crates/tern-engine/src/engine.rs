@@ -268,6 +268,11 @@ pub struct Stats {
     /// Snapshots in the prefix cache and the bytes of state they hold.
     pub prefix_cache_entries: AtomicUsize,
     pub prefix_cache_bytes: AtomicUsize,
+    /// The backend's sequence state and its bound ([`crate::Backend::state_memory`]) after the last step: bytes
+    /// held, the limit (`usize::MAX`: none), and whether the backend reports them at all.
+    pub state_memory_bytes: AtomicUsize,
+    pub state_memory_limit: AtomicUsize,
+    pub state_memory_known: std::sync::atomic::AtomicBool,
     /// Token masks computed for constrained requests, and the microseconds their workers spent on them.
     pub masks: AtomicU64,
     pub mask_us: AtomicU64,
@@ -659,6 +664,11 @@ impl<'a> Scheduler<'a> {
         self.stats.active.store(self.active.len(), Ordering::Relaxed);
         self.stats.prefix_cache_entries.store(self.cache.entries.len(), Ordering::Relaxed);
         self.stats.prefix_cache_bytes.store(self.cache.bytes, Ordering::Relaxed);
+        if let Some(m) = self.backend.state_memory() {
+            self.stats.state_memory_bytes.store(m.used, Ordering::Relaxed);
+            self.stats.state_memory_limit.store(m.limit.unwrap_or(usize::MAX), Ordering::Relaxed);
+            self.stats.state_memory_known.store(true, Ordering::Relaxed);
+        }
     }
 
     /// Free the sequences of running requests whose client has gone.

@@ -318,3 +318,29 @@ fn every_token_is_sampled_by_the_backend_and_the_engine_never_asks_for_logits() 
     assert_eq!(asked.len(), 12 + 18);
     assert!(asked.iter().all(|&k| k == "sample"), "{asked:?}");
 }
+
+/// The backend's sequence state reaches the engine's counters (/metrics `tern_state_memory_*`): for a bounded CPU
+/// backend the limit is its capacity, and once a request has ended it holds the prefix cache's snapshots only (their
+/// reservations, at least the bytes the cache counts for their lengths; the request's own sequence freed).
+#[test]
+fn state_memory_is_published() {
+    let tok = tok_or_skip!("state_memory_is_published");
+    let w = fixture();
+    let cap = 64 * State::bytes_for(&w.config, 64);
+    let engine = Engine::start(Arc::new(CpuBackend::with_capacity(w, cap)), tok, EngineConfig::default());
+    let (got, _) = collect(&engine, greedy(vec![5, 17, 200, 33, 8], 10));
+    assert_eq!(got.len(), 10);
+    let s = &engine.stats;
+    let t0 = Instant::now();
+    let (used, cached) = loop {
+        let (used, cached) = (s.state_memory_bytes.load(Ordering::SeqCst), s.prefix_cache_bytes.load(Ordering::SeqCst));
+        let entries = s.prefix_cache_entries.load(Ordering::SeqCst);
+        if entries > 0 && used >= cached && used < 2 * cached || t0.elapsed() > Duration::from_secs(5) {
+            break (used, cached);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(s.state_memory_known.load(Ordering::SeqCst), "the CPU backend reports its state memory");
+    assert_eq!(s.state_memory_limit.load(Ordering::SeqCst), cap);
+    assert!(cached > 0 && used >= cached && used < 2 * cached, "held {used} bytes, the prefix cache {cached}");
+}
