@@ -70,10 +70,17 @@ fn capacity_line(be: &tern_cuda::CudaBackend, ctx: usize) -> String {
     let (short, full) = (at(2048), at(ctx));
     let gb = |v: usize| v as f64 / 1e9;
     let fit = |b: tern_cuda::seq::StateBytes| bytes / (b.kv + b.gdn).max(1);
+    // a pool set larger than the device has: pages are created as needed, so requests wait once memory runs out
+    let over = match be.model.gpu.ctx.mem_get_info() {
+        Ok((free, _)) if bytes > free => {
+            format!(" (more than the {:.1} GB free: past that, requests wait for memory or are refused)", gb(free))
+        }
+        _ => String::new(),
+    };
     format!(
-        "state pool {:.1} GB (--state-mib) in {} MiB pages: a sequence takes {:.0} MB of Gated DeltaNet state and \
-         {:.0} KB of KV cache a token (+{:.1} MB of step buffers); room for {} sequences of up to 2,048 tokens, {} of \
-         {ctx}, {} tokens in one",
+        "state pool {:.1} GB (--state-mib){over} in {} MiB pages: a sequence takes {:.0} MB of Gated DeltaNet state \
+         and {:.0} KB of KV cache a token (+{:.1} MB of step buffers); room for {} sequences of up to 2,048 tokens, \
+         {} of {ctx}, {} tokens in one",
         gb(bytes),
         pool.page_bytes() >> 20,
         full.gdn as f64 / 1e6,

@@ -19,7 +19,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use anyhow::{anyhow, Result};
 use cudarc::driver::{sys, DriverError};
 use tern_engine::backend::{check_item, panic_message, Slots};
-use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, Want, Work};
+use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, StateMemory, Want, Work};
 
 use crate::batch::{Draw, RowWant, MAX_SEQS};
 use crate::pool::PoolFull;
@@ -172,6 +172,12 @@ impl Backend for CudaSlots {
 
     fn state_bytes(&self, seq: SeqId) -> usize {
         self.slots.lock().get(seq).map_or(0, |s| s.bytes)
+    }
+
+    fn state_memory(&self) -> Option<StateMemory> {
+        let pool = &self.cuda.model.pool;
+        let page = pool.page_bytes();
+        Some(StateMemory { used: pool.used_pages() * page, limit: Some(pool.limit_pages().saturating_mul(page)) })
     }
 
     /// The prefill chunk: a prompt of up to that many tokens is read in one pass (a 4k prompt in ~0.2 s on an H200),

@@ -103,16 +103,16 @@ pub struct SeqScratch {
     logits: CudaSlice<f32>,
     /// The multi-sequence prefill's buffers, allocated on its first use.
     multi: Option<MultiScratch>,
-    /// The batched pass captured as a CUDA graph, by (rows, attention splits): every address it bakes in is one of
+    /// The batched pass captured as a CUDA graph, by (rows, attention splits, family left out): every address it bakes in is one of
     /// these buffers (pointer tables and positions are uploaded before each launch) or of the pass's scratch rows,
     /// whose address at capture is `graph_x` (a reallocation clears them).
     graphs: PassGraphs,
     graph_x: u64,
 }
 
-/// Captured batched passes by (rows, attention splits).
+/// Captured batched passes by (rows, attention splits, the kernel family left out: [`PrefillBuffers::omit`]).
 #[derive(Default)]
-struct PassGraphs(HashMap<(usize, usize), CudaGraph>);
+struct PassGraphs(HashMap<(usize, usize, Option<String>), CudaGraph>);
 
 // SAFETY: the graphs live in the model's prefill buffers, behind its mutex: one thread at a time launches or drops
 // them (cudarc's CudaGraph holds raw handles, which are not Send by default; the context they belong to is).
@@ -229,7 +229,7 @@ impl DeviceModel {
 
         let mut guard =
             self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, graphs } = &mut *guard;
+        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, graphs, omit } = &mut *guard;
         let use_graph = *graphs && prof.is_none() && routes.is_none();
         let sc = scratch_rows(scratch, self, n.max(*chunk))?;
         if seq_scratch.is_none() {
@@ -249,7 +249,7 @@ impl DeviceModel {
         if use_graph {
             // kernels only from here to the logits: one graph per shape, captured on first use; a capture that
             // fails turns graphs off for good (the kernels then launch one by one: slower, same results)
-            match self.replay_pass(sc, sq, pass) {
+            match self.replay_pass(sc, sq, pass, omit.as_deref()) {
                 Ok(()) => graphed = true,
                 Err(e) => {
                     *graphs = false;
@@ -301,21 +301,33 @@ struct PassShape {
 impl DeviceModel {
     /// Launch the batched pass as the CUDA graph of its shape, capturing it first if there is none (graphs whose
     /// scratch rows have moved are dropped).
-    fn replay_pass(&self, sc: &mut crate::prefill::Scratch, sq: &mut SeqScratch, pass: PassShape) -> Result<()> {
+    fn replay_pass(
+        &self,
+        sc: &mut crate::prefill::Scratch,
+        sq: &mut SeqScratch,
+        pass: PassShape,
+        omit: Option<&str>,
+    ) -> Result<()> {
         let g = &*self.gpu;
         let x = ptr(g, &sc.x);
         if sq.graph_x != x {
             sq.graphs.0.clear();
             sq.graph_x = x;
         }
-        let key = (pass.n, pass.ns);
+        let key = (pass.n, pass.ns, omit.map(str::to_string));
         if !sq.graphs.0.contains_key(&key) {
             let st = g.stream.clone();
             st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let r = self.batched_pass(sc, sq, pass, None, &mut |_| Ok(()));
+            // a family left out: its launches (from its mark to the next) are not made
+            let mut mark = |name: &'static str| {
+                g.omit.store(omit == Some(name), std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            };
+            let r = self.batched_pass(sc, sq, pass, None, &mut mark);
+            g.omit.store(false, std::sync::atomic::Ordering::Relaxed);
             let graph = st.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
             r?;
-            sq.graphs.0.insert(key, graph?.context("empty graph of the batched pass")?);
+            sq.graphs.0.insert(key.clone(), graph?.context("empty graph of the batched pass")?);
         }
         sq.graphs.0.get(&key).context("the batched pass's graph")?.launch()?;
         Ok(())
@@ -368,7 +380,7 @@ impl DeviceModel {
                 }
             }
             let how = match streamed {
-                true => MoeExperts::Streamed { seqs_router: true },
+                true => MoeExperts::Streamed,
                 false => MoeExperts::Gemm,
             };
             let held = match routes.as_mut() {
@@ -752,7 +764,9 @@ impl Gpu {
         };
         let rb = MM_ROWS / ks;
         ensure!(m.rows.div_ceil(rb) <= 65535, "dense_seqs: {} rows is over the grid limit", m.rows);
-        let smem = mma_smem(m.cols, w, m.cols / m.gs, ks);
+        let groups = n.div_ceil(MM_TG) * m.rows.div_ceil(rb);
+        let kz = dense_split(groups, n, m.rows, m.cols, ks * 32 * w, ks * m.gs, self.sms as usize);
+        let smem = mma_smem(m.cols / kz, w, m.cols / m.gs, ks);
         ensure!(smem <= SMEM_MAX, "dense_seqs: {} columns need {smem} bytes of shared memory", m.cols);
         let gshift = log2_exact(m.gs, "dense_seqs: group size")? - 5;
         let (r, c, ni, ld, a) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32, add as i32);
@@ -764,13 +778,18 @@ impl Gpu {
         };
         let mut l = self.launcher(f);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(&gshift).arg(x).arg(&ni).arg(&*y).arg(&ld).arg(&a);
-        let grid = (n.div_ceil(MM_TG) as u32, m.rows.div_ceil(rb) as u32);
+        l.arg(&self.split_part).arg(&self.split_cnt);
+        let mut lc = cfg((n.div_ceil(MM_TG) as u32, m.rows.div_ceil(rb) as u32), 128, smem);
+        lc.grid_dim.2 = kz as u32;
         // SAFETY: matches dense_seqs_w{1,2}_k{1,4} (moe_seqs.cu); W is a whole 4-bit QMat (rows x cols/8 words,
         // rows x cols/gs scales/biases) with rows >= 16 (item starts clamp to rows - 16), cols a multiple of 32 W
-        // and of the group size (>= 32 W), and for the split of 4 of 4 x 32 W and 4 x the group size (checked); x
-        // holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); blocks past n tokens store
-        // nothing; shared memory as laid out there (checked against the opt-in limit).
-        unsafe { l.launch(cfg(grid, 128, smem)) }?;
+        // and of the group size (>= 32 W), and for the split of 4 of 4 x 32 W and 4 x the group size, each of the
+        // kz column ranges too (checked, dense_split); x holds n rows of cols bf16, y n rows of stride ldy >= rows
+        // (check_dense); blocks past n tokens store nothing; shared memory as laid out there for cols / kz columns
+        // (checked against the opt-in limit); with kz > 1 the partial sums (kz n rows floats) and the counts (one
+        // per block of the (x, y) grid) fit the split buffers (dense_split), whose counts are zero between launches
+        // (the kernel's last block of each group resets its own).
+        unsafe { l.launch(lc) }?;
         Ok(())
     }
 
@@ -874,6 +893,22 @@ impl Gpu {
 
 /// Packed words per lane per k-block of the streamed expert kernels: 2 (k-blocks of 64 columns) where the group size
 /// and every inner size allow it, else 1 (32 columns).
+/// Column ranges dense_seqs splits a product over (grid z, `dense_mma` in moe_seqs.cu) where its `groups` blocks (of
+/// 4 warps) would leave the GPU mostly idle: the most of 1, 2, 4, 8 that keeps the blocks' warps within 8 a
+/// multiprocessor, each range a multiple of `unit` columns (32 W times the in-block split) and of `gunit` (the group
+/// size times it), and the partial sums and counts within the split buffers. 2,048-row matrices at B <= 8: 64 blocks,
+/// so 4 ways (each warp 4 k-blocks instead of 16).
+fn dense_split(groups: usize, n: usize, rows: usize, cols: usize, unit: usize, gunit: usize, sms: usize) -> usize {
+    let fits = |kz: usize| {
+        groups * 4 * kz <= 8 * sms
+            && cols % (kz * unit) == 0
+            && cols % (kz * gunit) == 0
+            && kz * n * rows <= crate::gpu::DENSE_SPLIT_PART
+            && groups <= crate::gpu::DENSE_SPLIT_CNT
+    };
+    [8, 4, 2].into_iter().find(|&kz| fits(kz)).unwrap_or(1)
+}
+
 fn mma_words(gs: usize, ks: &[usize]) -> usize {
     if gs % 64 == 0 && ks.iter().all(|k| k % 64 == 0) {
         2

@@ -152,6 +152,12 @@ fn set_graphs(m: &crate::model::DeviceModel, on: bool) -> Result<()> {
     Ok(())
 }
 
+/// The kernel family the batched pass's graphs leave out ([`crate::prefill::PrefillBuffers::omit`]).
+fn set_omit(m: &crate::model::DeviceModel, omit: Option<String>) -> Result<()> {
+    m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned"))?.omit = omit;
+    Ok(())
+}
+
 /// Context of every sequence in the batched decode table.
 const BATCH_CTX: usize = 512;
 /// Batch sizes of the batched decode table.
@@ -268,6 +274,56 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
                 .map(|p| p.ops.iter().find(|o| o.0 == *name).map_or("-".into(), |o| format!("{:>9.3}", o.1)))
                 .collect();
             println!("  {name:<32} {n:>5} calls {}", cols.join(" "));
+        }
+    }
+    // each family's cost inside the graph: the step's graph with that family's launches left out, against the whole
+    // (the events above also count each launch's own gap; this is what the family adds to the replayed step)
+    let names: Vec<String> = profiles.first().map(|p| p.ops.iter().map(|o| o.0.clone()).collect()).unwrap_or_default();
+    let mut cols = Vec::new();
+    for &b in &sizes {
+        let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+        let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
+        let mut step = |omit: Option<&String>| -> Result<f64> {
+            let mut times = Vec::new();
+            for rep in 0..=repeats.max(2) {
+                let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+                for s in refs.iter_mut() {
+                    s.set_len(&g, ctx)?;
+                }
+                // a whole step first: what a left-out family would have written (tile lists, rows) is this size's
+                set_omit(m, None)?;
+                m.decode_seqs(&mut refs, &ids, &want)?;
+                set_omit(m, omit.cloned())?;
+                let a = g.stream.record_event(fl)?;
+                for _ in 0..8 {
+                    m.decode_seqs(&mut refs, &ids, &want)?;
+                }
+                let z = g.stream.record_event(fl)?;
+                set_omit(m, None)?;
+                if rep > 0 {
+                    times.push(a.elapsed_ms(&z)? as f64 / 8.0);
+                }
+            }
+            Ok(median(&mut times))
+        };
+        let whole = step(None)?;
+        let mut col = vec![whole];
+        for name in &names {
+            col.push(whole - step(Some(name))?);
+        }
+        cols.push(col);
+    }
+    set_omit(m, None)?;
+    m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned"))?.seqs = None; // the extra graphs
+    if !cols.is_empty() {
+        let head: Vec<String> = sizes.iter().zip(&cols).map(|(b, c)| format!("{b} seqs {:.3} ms", c[0])).collect();
+        println!(
+            "batched decode step in the graph, less each kernel family left out (ms per step): {}",
+            head.join(", ")
+        );
+        for (i, name) in names.iter().enumerate() {
+            let v: Vec<String> = cols.iter().map(|c| format!("{:>9.3}", c[i + 1])).collect();
+            println!("  {name:<32} {}", v.join(" "));
         }
     }
     let b = 32.min(bmax);

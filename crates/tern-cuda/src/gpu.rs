@@ -170,6 +170,9 @@ impl KLaunch<'_> {
     /// The arguments pushed must match the kernel's parameter list in number and type, and every buffer must
     /// hold what the kernel reads and writes for this configuration.
     pub unsafe fn launch(&mut self, c: LaunchConfig) -> Result<()> {
+        if self.gpu.omit.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
         self.gpu.ctx.bind_to_thread()?;
         let mut ptrs: Vec<*mut std::ffi::c_void> =
             self.words.iter_mut().map(|w| w as *mut u64 as *mut std::ffi::c_void).collect();
@@ -233,8 +236,20 @@ pub struct Gpu {
     pub(crate) sampler: std::sync::Mutex<Option<crate::sample::SampleScratch>>,
     /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
     pub pdl: bool,
+    /// While set, [`KLaunch::launch`] launches nothing: the bench's timing of the batched step with one kernel
+    /// family left out ([`crate::prefill::PrefillBuffers::omit`]).
+    pub(crate) omit: std::sync::atomic::AtomicBool,
+    /// dense_seqs' column split over blocks (moe_seqs.cu `dense_mma`): the partial sums `[KZ][n][rows]` and the
+    /// per-block-group counts (zero between launches).
+    pub(crate) split_part: CudaSlice<f32>,
+    pub(crate) split_cnt: CudaSlice<u32>,
     _modules: Vec<Arc<CudaModule>>,
 }
+
+/// Floats of dense_seqs' partial sums and counts of its block groups where it splits the columns over blocks
+/// (`Gpu::dense_seqs`: a split that needs more takes fewer ways).
+pub(crate) const DENSE_SPLIT_PART: usize = 1 << 18;
+pub(crate) const DENSE_SPLIT_CNT: usize = 2048;
 
 /// Blocks of the grid-stride GEMV-like kernels: enough to fill the chip, no more.
 const BLOCKS_PER_SM: u32 = 4;
@@ -345,6 +360,7 @@ impl Gpu {
         }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
+        let (split_part, split_cnt) = (stream.alloc_zeros(DENSE_SPLIT_PART)?, stream.alloc_zeros(DENSE_SPLIT_CNT)?);
         Ok(Arc::new(Gpu {
             ctx,
             stream,
@@ -355,6 +371,9 @@ impl Gpu {
             staging: Default::default(),
             sampler: Default::default(),
             pdl,
+            omit: std::sync::atomic::AtomicBool::new(false),
+            split_part,
+            split_cnt,
             _modules: modules.into_iter().map(|m| m.1).collect(),
         }))
     }

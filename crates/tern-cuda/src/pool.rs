@@ -401,16 +401,27 @@ impl PagePool {
             let _ = unsafe { sys::cuMemUnmap(p.base, p.layout.gdn_pages * page) };
             self.put(id);
         }
-        for (r, ids) in p.kv.iter().enumerate() {
-            let region = p.layout.region(r);
-            for (k, &id) in ids.iter().enumerate() {
-                // SAFETY: page k of region r, mapped there; the stream is idle.
-                let _ = unsafe { sys::cuMemUnmap(p.base + (region + k * page) as u64, page) };
-                self.put(id);
-            }
+        let mut kv = p.kv;
+        for (r, ids) in kv.iter_mut().enumerate() {
+            let _ = self.unmap_pages(p.base, &p.layout, r, ids, 0);
         }
         // SAFETY: the range reserved for the sequence, all of it unmapped now.
         let _ = unsafe { sys::cuMemAddressFree(p.base, p.layout.bytes()) };
+    }
+
+    /// Unmap pages `from..` of region `r` of the range at `base` (the last first) and give each back; `ids` (the
+    /// region's pages) keeps those before `from`. The caller has made the range's stream idle.
+    fn unmap_pages(&self, base: u64, layout: &Layout, r: usize, ids: &mut Vec<u32>, from: usize) -> Result<()> {
+        let region = layout.region(r);
+        while ids.len() > from {
+            let k = ids.len() - 1;
+            // SAFETY: page k of region r, mapped there; nothing reads through it (the stream is idle).
+            unsafe { sys::cuMemUnmap(base + (region + k * layout.page) as u64, layout.page).result()? };
+            if let Some(id) = ids.pop() {
+                self.put(id);
+            }
+        }
+        Ok(())
     }
 
     /// Mappings of allocation `id` now.
@@ -529,18 +540,10 @@ impl SeqMem {
         let Some(p) = pool.unpark(layout, need) else { return Ok(None) };
         let mut m =
             SeqMem { pool: pool.clone(), stream: stream.clone(), layout: p.layout, base: p.base, gdn: p.gdn, kv: p.kv };
-        let page = m.layout.page;
         if m.kv.iter().any(|k| k.len() > need) {
             m.stream.synchronize()?; // nothing may still touch the pages given back
             for r in 0..m.kv.len() {
-                while m.kv[r].len() > need {
-                    let k = m.kv[r].len() - 1;
-                    let off = m.layout.region(r) + k * page;
-                    // SAFETY: the last mapped page of region r; the stream is idle.
-                    unsafe { sys::cuMemUnmap(m.base + off as u64, page).result()? };
-                    let id = m.kv[r].pop().context("a mapped page")?;
-                    m.pool.put(id);
-                }
+                m.pool.unmap_pages(m.base, &m.layout, r, &mut m.kv[r], need)?;
             }
         }
         let short: usize = m.kv.iter().map(|k| need - k.len()).sum();
@@ -737,7 +740,6 @@ impl Drop for SeqMem {
     /// region's first shared page on: a parked range keeps only pages nothing else reads).
     fn drop(&mut self) {
         let _ = self.pool.ctx.bind_to_thread();
-        let page = self.layout.page;
         let mut synced = false;
         for r in 0..self.kv.len() {
             let Some(first) = self.kv[r].iter().position(|&id| self.pool.refs(id) > 1) else { continue };
@@ -745,13 +747,7 @@ impl Drop for SeqMem {
                 let _ = self.stream.synchronize(); // no kernel or copy may still read through this range
                 synced = true;
             }
-            let region = self.layout.region(r);
-            for k in (first..self.kv[r].len()).rev() {
-                // SAFETY: page k of region r, mapped here; the stream is idle.
-                let _ = unsafe { sys::cuMemUnmap(self.base + (region + k * page) as u64, page) };
-                self.pool.put(self.kv[r][k]);
-            }
-            self.kv[r].truncate(first);
+            let _ = self.pool.unmap_pages(self.base, &self.layout, r, &mut self.kv[r], first);
         }
         let parked = Parked {
             base: self.base,

@@ -790,12 +790,15 @@ pub struct PrefillBuffers {
     /// The batched decode pass replays a CUDA graph per shape (default), or launches its kernels one by one
     /// (`TERN_BATCH_GRAPHS=0`; the bench times both).
     pub graphs: bool,
+    /// The bench's in-graph cost of a kernel family: while set, the batched pass's graphs leave that family's
+    /// launches out (captured apart from the full pass's: the results are not meaningful, only the time).
+    pub omit: Option<String>,
 }
 
 impl PrefillBuffers {
     pub fn new(chunk: usize) -> Mutex<PrefillBuffers> {
         let graphs = std::env::var("TERN_BATCH_GRAPHS").map_or(true, |v| v != "0");
-        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None, seqs: None, graphs })
+        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None, seqs: None, graphs, omit: None })
     }
 }
 
@@ -996,16 +999,13 @@ impl DeviceState {
     }
 }
 
-/// How the MoE block's router and expert products run: router_rows and tensor-core GEMMs over 64-token tiles
-/// (prefill), or router_seqs and the streamed kernels over the few tokens each expert gets in a decode batch (f32
-/// activations in `act`, `[n * (k + 1), max(I, Is)]`).
+/// How the MoE block's router and expert products run: router_rows and tensor-core GEMMs over 64-token tiles (long
+/// prefill passes), or router_seqs and the streamed few-token kernels of moe_seqs.cu over the few tokens each expert
+/// gets (decode batches, passes of at most [`STREAM_MAX_TOKENS`]; f32 activations in `act`, `[n * (k + 1), max(I,
+/// Is)]`).
 pub(crate) enum MoeExperts {
     Gemm,
-    /// The streamed few-token kernels (moe_seqs.cu), with the batched decode's router (`router_seqs`, the decode
-    /// router's arithmetic) or the prefill's (`router_rows`).
-    Streamed {
-        seqs_router: bool,
-    },
+    Streamed,
 }
 
 /// A prefill pass of at most this many tokens takes the streamed expert kernels where the model's shapes allow
@@ -1030,7 +1030,7 @@ impl DeviceModel {
     /// The expert kernels of a prefill pass of `n` tokens.
     pub(crate) fn prefill_experts(&self, n: usize) -> MoeExperts {
         match n <= STREAM_MAX_TOKENS && self.streamed_moe() {
-            true => MoeExperts::Streamed { seqs_router: false },
+            true => MoeExperts::Streamed,
             false => MoeExperts::Gemm,
         }
     }
@@ -1063,12 +1063,15 @@ pub(crate) fn moe_rows(
     ensure!(l.router.rows == e + 1, "layer {li}: router rows {} != experts + 1", l.router.rows);
     mark("rmsnorm")?;
     g.rmsnorm_rows(&sc.x, n, &l.post_norm, eps, &mut sc.xb, Some(&mut sc.xn))?;
+    // the router goes with the experts: router_seqs with the streamed kernels (decode batches, passes of <= 256
+    // tokens: router_rows' 64 x 64 tiles took 4.3 of a 256-token prefill's 31 ms, mostly idle), router_rows with the
+    // GEMMs (at 4,096 tokens router_seqs took 18.7 ms against its 9.4: every 4-token block re-reads the weights)
     match how {
-        MoeExperts::Streamed { seqs_router: true } => {
+        MoeExperts::Streamed => {
             mark("moe_router (seqs)")?;
             g.router_seqs(&l.router, &sc.xn, n, &mut sc.rlogits)?;
         }
-        _ => {
+        MoeExperts::Gemm => {
             mark("moe_router (f32)")?;
             g.router_rows(&l.router, &sc.xn, n, &mut sc.rlogits)?;
         }
@@ -1100,7 +1103,7 @@ pub(crate) fn moe_rows(
     }
     let tile = match how {
         MoeExperts::Gemm => MOE_TILE,
-        MoeExperts::Streamed { .. } => STREAM_TILE,
+        MoeExperts::Streamed => STREAM_TILE,
     };
     g.moe_align(&sc.idx, n, k, e, tile, &mut sc.sorted)?;
     match how {
@@ -1110,7 +1113,7 @@ pub(crate) fn moe_rows(
             mark("moe_down (gemm)")?;
             g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
         }
-        MoeExperts::Streamed { .. } => {
+        MoeExperts::Streamed => {
             mark("moe_gate_up (streamed)")?;
             g.moe_gate_up_seqs(&l.gate_up, e, sizes, h, &sc.xn, &sc.sorted, &mut sc.act)?;
             mark("moe_down (streamed)")?;

@@ -55,9 +55,10 @@ fn gemm_q4_matches_cpu() {
     let Some(g) = gpu_or_skip("gemm_q4_matches_cpu") else { return };
     let mut rng = Rng(41);
     let mut report = Vec::new();
-    let cases: [(usize, usize, usize, &[usize]); 6] = [
+    let cases: [(usize, usize, usize, &[usize]); 7] = [
         (12352, 2048, 64, &[1, 5, 32, 65, 130]), // GDN in_proj
-        (2048, 4096, 64, &[63, 64]),             // out_proj / o_proj
+        (2048, 4096, 64, &[1, 8, 13, 63, 64]),   // out_proj / o_proj (dense_seqs: columns over 4 / 2 / 1 blocks)
+        (2048, 2048, 32, &[2]),                  // group 32 (one word a k-block), columns over 4 blocks
         (1000, 2048, 64, &[13, 1000]),           // rows not a multiple of the tile
         (100, 96, 32, &[1, 1000]),               // tiny-b: K = 96 (a half k-step), group 32
         (257, 512, 128, &[3, 200]),              // group 128

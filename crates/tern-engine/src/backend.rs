@@ -268,7 +268,8 @@ pub struct TokenLogprob {
 /// A backend's sequence state against its bound (see [`Backend::state_memory`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StateMemory {
-    /// Bytes held now: running sequences and prefix-cache snapshots (the CPU backend counts their reservations).
+    /// Bytes held now: running sequences and prefix-cache snapshots (the CPU backend counts their reservations; the
+    /// CUDA backend its pool's pages in use, freed ranges kept mapped for reuse included).
     pub used: usize,
     /// Bytes it may hold at most (`None`: no bound but the machine's).
     pub limit: Option<usize>,

@@ -25,6 +25,21 @@ namespace cg = cooperative_groups;
 
 #define MAXR 32  // dk <= 4 * MAXR = 128
 
+// The causal conv of channel ch over its K - 1 earlier inputs (ring slots first, first + 1, ... mod K), and in
+// wlast the weight of the current input (both decode kernels: the current input joins as fmaf(wlast, x, acc)).
+__device__ __forceinline__ float gdn_conv_past(const float* __restrict__ conv_w, const float* __restrict__ ring,
+                                               int conv_dim, int K, int first, int ch, float& wlast) {
+    float acc = 0.f;
+    int slot = first;
+#pragma unroll 1
+    for (int j = 0; j < K - 1; j++) {
+        acc += conv_w[ch * K + j] * ring[slot * conv_dim + ch];
+        slot = slot + 1 == K ? 0 : slot + 1;
+    }
+    wlast = conv_w[ch * K + K - 1];
+    return acc;
+}
+
 
 template <typename OutT>
 __device__ __forceinline__ void gdn_step_body(
@@ -56,18 +71,7 @@ __device__ __forceinline__ void gdn_step_body(
     }
     auto srow = [&](int r) -> float& { return sreg[r]; };
     const int cur = pos % K, first = (pos + 1) % K;  // ring slot of this position, of the oldest input
-    // conv over the K-1 earlier inputs of channel ch, and the weight of the current input
-    auto conv_past = [&](int ch, float& wlast) {
-        float acc = 0.f;
-        int slot = first;
-#pragma unroll 1
-        for (int j = 0; j < K - 1; j++) {
-            acc += conv_w[ch * K + j] * ring[slot * conv_dim + ch];
-            slot = slot + 1 == K ? 0 : slot + 1;
-        }
-        wlast = conv_w[ch * K + K - 1];
-        return acc;
-    };
+    auto conv_past = [&](int ch, float& wlast) { return gdn_conv_past(conv_w, ring, conv_dim, K, first, ch, wlast); };
     const bool has_qk = tid < dk;
     const int chq = kh * dk + tid, chk = Kd + kh * dk + tid, chv = 2 * Kd + h * dv + col;
     float pq = 0.f, pk = 0.f, pv = 0.f, wq = 0.f, wk = 0.f, wv = 0.f;
@@ -182,17 +186,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_seqs(
     for (int idx = tid; idx < dk * dv / 4; idx += blockDim.x) cp_async16(sst + 4 * idx, S + 4 * idx, 16);
     cp_async_commit();
     const int cur = pos % K, first = (pos + 1) % K;  // ring slot of this position, of the oldest input
-    auto conv_past = [&](int ch, float& wlast) {
-        float acc = 0.f;
-        int slot = first;
-#pragma unroll 1
-        for (int j = 0; j < K - 1; j++) {
-            acc += conv_w[ch * K + j] * ring[slot * conv_dim + ch];
-            slot = slot + 1 == K ? 0 : slot + 1;
-        }
-        wlast = conv_w[ch * K + K - 1];
-        return acc;
-    };
+    auto conv_past = [&](int ch, float& wlast) { return gdn_conv_past(conv_w, ring, conv_dim, K, first, ch, wlast); };
     // threads tid < dk: q and k channel tid; threads tid < dv: v channel tid (warps of row group 0: col == tid)
     const bool has_qk = tid < dk, has_v = tid < dv;
     const int chq = kh * dk + tid, chk = Kd + kh * dk + tid, chv = 2 * Kd + h * dv + tid;

@@ -181,8 +181,14 @@ __device__ __forceinline__ uint2 mm_load2(const uint2* p) {
     return v;
 }
 
-// bf16 pair (128 + q_p, 128 + q_p+4) of packed word w
-__device__ __forceinline__ uint32_t q4_pair(uint32_t w, int p) { return ((w >> (4 * p)) & 0x000F000Fu) | 0x43004300u; }
+// bf16 pair (128 + q_p, 128 + q_p+4) of packed word w: one LOP3 (w' & 0x000F000F) | 0x43004300 after the shift (the
+// compiler, given the C expression, emitted an AND and an OR, each with its immediate: 32 of the ~184 instructions
+// of a k-block). mask and hi hold 0x000F000F and 0x43004300 (registers: LOP3 takes one immediate).
+__device__ __forceinline__ uint32_t q4_pair(uint32_t w, int p, uint32_t mask, uint32_t hi) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w >> (4 * p)), "r"(mask), "r"(hi));
+    return r;
+}
 
 // The weight loads of one k-block for this lane: W words of rows g and g + 8 of each item, the groups' scale and bias.
 template <int W>
@@ -237,13 +243,33 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
                                          const float* xsum, Stage stage, float (&tot)[MM_R][4]) {
     const int lane = threadIdx.x & 31, c = lane & 3;
     const bool tok = (lane >> 2) < nt;  // this lane's B column is a token of the tile (else zeros)
+    uint32_t mask = 0x000F000Fu, hi = 0x43004300u;
+    asm volatile("" : "+r"(mask), "+r"(hi));  // kept in registers (q4_pair)
+    // the lane's 2 MM_R row pointers and one word offset for all of them, advanced a k-block (4 W words) per load
+    // (the address computed from kb per load took ~4 instructions, a 64-bit increment per pointer as many)
+    const uint32_t* wp[MM_R][2];
+#pragma unroll
+    for (int r = 0; r < MM_R; r++) {
+        wp[r][0] = m.wr[r];
+        wp[r][1] = m.wr[r] + m.wstep;
+    }
+    unsigned off = 0;
+    // the lane's scale and bias rows in the block's shared copy: (scale g, scale g + 8, bias g, bias g + 8) per item
+    const __nv_bfloat16* sp[MM_R][4];
+#pragma unroll
+    for (int r = 0; r < MM_R; r++) {
+        sp[r][0] = m.sr[r];
+        sp[r][1] = m.sr[r] + m.sstep;
+        sp[r][2] = m.sr[r] + m.bdelta;
+        sp[r][3] = m.sr[r] + m.bdelta + m.sstep;
+    }
     MmaBlock<W> buf[MM_PF];
-    auto load = [&](MmaBlock<W>& blk, int kb) {
+    auto load = [&](MmaBlock<W>& blk) {
 #pragma unroll
         for (int r = 0; r < MM_R; r++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const uint32_t* p = m.wr[r] + h * m.wstep + kb * 4 * W;
+                const uint32_t* p = wp[r][h] + off;
                 if (W == 2) {
                     const uint2 v = mm_load2(reinterpret_cast<const uint2*>(p));
                     blk.w[r][h][0] = v.x;
@@ -252,10 +278,11 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
                     blk.w[r][h][0] = __ldg(p);
                 }
             }
+        off += 4 * W;
     };
 #pragma unroll
     for (int u = 0; u < MM_PF; u++)
-        if (u < nk) load(buf[u], u);
+        if (u < nk) load(buf[u]);
     stage();
 #pragma unroll
     for (int r = 0; r < MM_R; r++) tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f;
@@ -275,22 +302,24 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
 #pragma unroll
                     for (int i = 0; i < W; i++) {
                         const uint32_t w0 = buf[u].w[r][0][i], w1 = buf[u].w[r][1][i];
-                        const uint32_t a0[4] = {q4_pair(w0, 0), q4_pair(w1, 0), q4_pair(w0, 1), q4_pair(w1, 1)};
+                        const uint32_t a0[4] = {q4_pair(w0, 0, mask, hi), q4_pair(w1, 0, mask, hi),
+                                                q4_pair(w0, 1, mask, hi), q4_pair(w1, 1, mask, hi)};
                         mma_bf16(cb, a0, x[i].x, x[i].y);
-                        const uint32_t a1[4] = {q4_pair(w0, 2), q4_pair(w1, 2), q4_pair(w0, 3), q4_pair(w1, 3)};
+                        const uint32_t a1[4] = {q4_pair(w0, 2, mask, hi), q4_pair(w1, 2, mask, hi),
+                                                q4_pair(w0, 3, mask, hi), q4_pair(w1, 3, mask, hi)};
                         mma_bf16(cb2, a1, x[i].z, x[i].w);
                     }
 #pragma unroll
                     for (int v = 0; v < 4; v++) cb[v] += cb2[v];
-                    const __nv_bfloat16* sp = m.sr[r] + ((kb * W) >> gshift);
-                    const float s0 = bf(sp[0]), s1 = bf(sp[m.sstep]);
-                    const float b0 = fmaf(-128.f, s0, bf(sp[m.bdelta])), b1 = fmaf(-128.f, s1, bf(sp[m.bdelta + m.sstep]));
+                    const int gi = (kb * W) >> gshift;
+                    const float s0 = bf(sp[r][0][gi]), s1 = bf(sp[r][1][gi]);
+                    const float b0 = fmaf(-128.f, s0, bf(sp[r][2][gi])), b1 = fmaf(-128.f, s1, bf(sp[r][3][gi]));
                     tot[r][0] = fmaf(s0, cb[0], fmaf(b0, xsm.x, tot[r][0]));
                     tot[r][1] = fmaf(s0, cb[1], fmaf(b0, xsm.y, tot[r][1]));
                     tot[r][2] = fmaf(s1, cb[2], fmaf(b1, xsm.x, tot[r][2]));
                     tot[r][3] = fmaf(s1, cb[3], fmaf(b1, xsm.y, tot[r][3]));
                 }
-                if (kb + MM_PF < nk) load(buf[u], kb + MM_PF);
+                if (kb + MM_PF < nk) load(buf[u]);  // k-block kb + MM_PF
             }
         }
     }
@@ -436,22 +465,28 @@ MOE_MMA(2)
 // dense_seqs_w{W}_k{KS}: see the contract at the top. Block: 4 warps over 128 / KS rows; warp w takes the k-blocks
 // of split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the
 // splits' sums meet in shared memory in split order (deterministic). Item starts are clamped to rows - 16 (an item
-// past the end recomputes rows of the one before and stores only its own). Shared memory: xs [cols / 8 * MM_TG]
+// past the end recomputes rows of the one before and stores only its own). Shared memory: xs [cz / 8 * MM_TG]
 // uint4 | xsum [nk][MM_TG] | scales, biases [2][128 / KS][sst] | partials [KS - 1][128 / KS rows x 8 tokens].
+// Where even that leaves the GPU idle (2,048-row matrices at B <= 8: 64 blocks of 4 warps), the columns are also
+// split over gridDim.z = KZ blocks (cz = cols / KZ each, staged alone): each writes its sums to part
+// [KZ][n][rows], counts itself in cnt[block (x, y)], and the block that counts last adds the KZ partial sums in z
+// order (the same result whichever block is last) into y and sets the count back to 0 for the next launch.
 template <int W, int KS>
 __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                                           const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift,
                                           const __nv_bfloat16* __restrict__ x, int n, float* __restrict__ y, int ldy,
-                                          int add) {
+                                          int add, float* __restrict__ part, unsigned* __restrict__ cnt) {
     constexpr int RB = MM_WARPS * MM_R * 16 / KS;  // rows per block
     extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int ks = warp % KS, wi = warp / KS;
     const int t0 = blockIdx.x * MM_TG, nt = min(MM_TG, n - t0);
     const int r0 = blockIdx.y * RB;
-    const int nk = cols / (32 * W), ng = cols >> (gshift + 5), rw = cols / 8, nkw = nk / KS;
+    const int KZ = gridDim.z, cz = cols / KZ, c0 = blockIdx.z * cz;  // this block's columns [c0, c0 + cz)
+    const int nk = cz / (32 * W), ng = cols >> (gshift + 5), rw = cols / 8, nkw = nk / KS;
     uint4* xs = reinterpret_cast<uint4*>(smem);
-    float* xsum = reinterpret_cast<float*>(xs + cols);
+    float* xsum = reinterpret_cast<float*>(xs + cz);
     __nv_bfloat16* ss = reinterpret_cast<__nv_bfloat16*>(xsum + nk * MM_TG);
     const int sst = mma_scale_stride(ng);
     float* red = reinterpret_cast<float*>(ss + 2 * RB * sst);
@@ -463,19 +498,20 @@ __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const 
     m.bdelta = RB * sst;
     copy_scales(s, b, 0, sb, re - sb, ng, ss, sst, m.bdelta, 0);
     int rr[MM_R], rs[MM_R];
+    const int k0 = c0 / (32 * W) + ks * nkw;  // the warp's first k-block in the row
 #pragma unroll
     for (int q = 0; q < MM_R; q++) {
         rr[q] = r0 + 32 * wi + 16 * q;
         rs[q] = max(0, min(rr[q], rows - 16));
-        m.wr[q] = w + (long)(rs[q] + g) * rw + c * W + (long)ks * nkw * 4 * W;
-        m.sr[q] = ss + (rs[q] + g - sb) * sst + ((ks * nkw * W) >> gshift);
+        m.wr[q] = w + (long)(rs[q] + g) * rw + c * W + (long)k0 * 4 * W;
+        m.sr[q] = ss + (rs[q] + g - sb) * sst + ((k0 * W) >> gshift);
     }
     float tot[MM_R][4];
     rows_mma<W>(m, nkw, gshift, nt, xs + ks * nkw * W * 32, xsum + ks * nkw * MM_TG,
                 [&] {
                     pdl_wait();          // x (and y when adding) come from the previous kernels
                     cp_async_wait<0>();  // the scales (made visible by stage_mma's barrier)
-                    stage_mma<W>(x, cols, nullptr, t0, nt, cols, true, xs, xsum);
+                    stage_mma<W>(x + c0, cols, nullptr, t0, nt, cz, true, xs, xsum);
                 },
                 tot);
     if (KS > 1) {
@@ -486,36 +522,61 @@ __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const 
 #pragma unroll
                 for (int v = 0; v < 4; v++) mine[(q * 4 + v) * 32 + lane] = tot[q][v];
         __syncthreads();
-        if (ks > 0) return;
-        for (int k2 = 1; k2 < KS; k2++) {
-            const float* o = red + ((k2 - 1) * (RB / 32) + wi) * (MM_R * 4 * 32);
+        if (ks == 0)
+            for (int k2 = 1; k2 < KS; k2++) {
+                const float* o = red + ((k2 - 1) * (RB / 32) + wi) * (MM_R * 4 * 32);
 #pragma unroll
-            for (int q = 0; q < MM_R; q++)
+                for (int q = 0; q < MM_R; q++)
 #pragma unroll
-                for (int v = 0; v < 4; v++) tot[q][v] += o[(q * 4 + v) * 32 + lane];
-        }
-    }
-#pragma unroll
-    for (int q = 0; q < MM_R; q++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int row = rs[q] + g + 8 * h;
-            if (row < rr[q] || row >= re) continue;  // another item's row, or past the end
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                if (2 * c + j >= nt) continue;
-                float* dst = y + (long)(t0 + 2 * c + j) * ldy + row;
-                *dst = add ? *dst + tot[q][2 * h + j] : tot[q][2 * h + j];
+                    for (int v = 0; v < 4; v++) tot[q][v] += o[(q * 4 + v) * 32 + lane];
             }
-        }
+    }
+    // the outputs of warp (ks 0, wi): (row, token) of item q, h, j, where the item owns the row and the token is one
+    // of the block's
+    auto each = [&](auto&& f) {
+#pragma unroll
+        for (int q = 0; q < MM_R; q++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int row = rs[q] + g + 8 * h;
+                if (row < rr[q] || row >= re) continue;  // another item's row, or past the end
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+                    if (2 * c + j < nt) f(row, t0 + 2 * c + j, tot[q][2 * h + j]);
+            }
+    };
+    if (KZ > 1) {
+        if (ks == 0) each([&](int row, int t, float v) { part[((long)blockIdx.z * n + t) * rows + row] = v; });
+        __threadfence();  // this block's partial sums before its count
+        __syncthreads();
+        unsigned* my = cnt + blockIdx.x * gridDim.y + blockIdx.y;
+        if (threadIdx.x == 0) last = atomicAdd(my, 1u) == (unsigned)KZ - 1;
+        __syncthreads();
+        if (!last) return;
+        __threadfence();  // every block's partial sums are visible after their counts
+        if (ks == 0)
+            each([&](int row, int t, float) {
+                float v = 0.f;
+                for (int z = 0; z < KZ; z++) v += __ldcg(part + ((long)z * n + t) * rows + row);
+                float* dst = y + (long)t * ldy + row;
+                *dst = add ? *dst + v : v;
+            });
+        if (threadIdx.x == 0) *my = 0u;  // every block of the group has counted: ready for the next launch
+        return;
+    }
+    if (ks == 0)
+        each([&](int row, int t, float v) {
+            float* dst = y + (long)t * ldy + row;
+            *dst = add ? *dst + v : v;
+        });
 }
 
 #define DENSE_MMA(W, KS)                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, 4) dense_seqs_w##W##_k##KS(                                  \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,       \
-        const __nv_bfloat16* x, int n, float* y, int ldy, int add) {                                             \
+        const __nv_bfloat16* x, int n, float* y, int ldy, int add, float* part, unsigned* cnt) {                 \
         KTRACE(46);                                                                                              \
-        dense_mma<W, KS>(w, s, b, rows, cols, gshift, x, n, y, ldy, add);                                        \
+        dense_mma<W, KS>(w, s, b, rows, cols, gshift, x, n, y, ldy, add, part, cnt);                             \
     }
 DENSE_MMA(1, 1)
 DENSE_MMA(2, 1)
@@ -532,36 +593,37 @@ __device__ __forceinline__ void router_seqs_body(const uint32_t* __restrict__ w,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nvec = cols / CPV, ng = cols >> (gshift + (BITS == 4 ? 5 : 4)), xstride = padx_len(cols);
     const int t0 = blockIdx.y * RS_TG, nt = min(RS_TG, n - t0);
-    pdl_wait();  // xn comes from the post-norm
-    stage_rows<RS_TG, CPV>(xn, cols, nullptr, t0, nt, cols, true, xs, xstride, cs);
-    __syncthreads();
     const int r0 = blockIdx.x * RS_R + 2 * warp;
-    const uint4* wr[2];
-    const __nv_bfloat16 *sr[2], *br[2];
+    // the warp's two weight rows, all of them (cols <= 2048: U chunks a lane), and their scales are loaded before
+    // the dependency wait (they are weights): their latency overlaps the post-norm instead of following it
+    constexpr int U = 2048 / CPV / 32;
+    uint4 wv[U][2];
+    float sc[U][2], bs[U][2];
 #pragma unroll
     for (int q = 0; q < 2; q++) {
         const int row = min(r0 + q, rows - 1);  // a valid address; a row past the end is never stored
-        wr[q] = reinterpret_cast<const uint4*>(w) + (long)row * nvec;
-        sr[q] = s + (long)row * ng;
-        br[q] = b + (long)row * ng;
+        const uint4* wr = reinterpret_cast<const uint4*>(w) + (long)row * nvec;
+#pragma unroll
+        for (int a = 0; a < U; a++) {
+            const int u = min(lane + 32 * a, nvec - 1), g = u >> gshift;  // a chunk past nvec is never used
+            wv[a][q] = __ldg(wr + u);
+            sc[a][q] = bf(s[(long)row * ng + g]);
+            bs[a][q] = bf(b[(long)row * ng + g]);
+        }
     }
+    pdl_wait();  // xn comes from the post-norm
+    stage_rows<RS_TG, CPV>(xn, cols, nullptr, t0, nt, cols, true, xs, xstride, cs);
+    __syncthreads();
     float tot[RS_TG][2];
 #pragma unroll
     for (int t = 0; t < RS_TG; t++) tot[t][0] = tot[t][1] = 0.f;
-#pragma unroll 1
-    for (int u = lane; u < nvec; u += 32) {
-        const int g = u >> gshift;
-        uint4 wv[2];
-        float sc[2], bs[2];
 #pragma unroll
-        for (int q = 0; q < 2; q++) {
-            wv[q] = __ldg(wr[q] + u);
-            sc[q] = bf(sr[q][g]);
-            bs[q] = bf(br[q][g]);
-        }
+    for (int a = 0; a < U; a++) {
+        const int u = lane + 32 * a;
+        if (u >= nvec) break;
 #pragma unroll
         for (int t = 0; t < RS_TG; t++)
-            if (t < nt) chunk_dot<BITS, 2>(wv, xs + t * xstride + padx(u * CPV), sc, bs, cs[t * nvec + u], tot[t]);
+            if (t < nt) chunk_dot<BITS, 2>(wv[a], xs + t * xstride + padx(u * CPV), sc[a], bs[a], cs[t * nvec + u], tot[t]);
     }
 #pragma unroll
     for (int t = 0; t < RS_TG; t++) {

@@ -59,6 +59,12 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_rows(const float* __re
                                                                __nv_bfloat16* __restrict__ xb,
                                                                float* __restrict__ xn) {
     __shared__ float red[32];
+    float g[16];  // the gain is a weight: loaded before the dependency wait, its latency beside the previous kernel's
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const int c = threadIdx.x + 256 * j;
+        g[j] = c < H ? gain[c] : 0.f;
+    }
     pdl_wait();
     const float* xr = x + (long)blockIdx.x * H;
     float v[16];
@@ -74,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_rows(const float* __re
     for (int j = 0; j < 16; j++) {
         const int c = threadIdx.x + 256 * j;
         if (c < H) {
-            const float y = v[j] * r * gain[c];
+            const float y = v[j] * r * g[j];
             xb[(long)blockIdx.x * H + c] = __float2bfloat16(y);
             if (xn) xn[(long)blockIdx.x * H + c] = y;
         }

@@ -725,11 +725,12 @@ async fn metrics(State(st): State<Shared>) -> Response {
         metric("prefix_cache_bytes", "gauge", "backend state bytes the prefix cache holds (bounded)", bytes as f64);
         if s.state_memory_known.load(Ordering::Relaxed) {
             let used = s.state_memory_bytes.load(Ordering::Relaxed) as f64;
-            let help = "bytes of sequence state held: running sequences and prefix-cache snapshots";
+            let help = "bytes of sequence state held: running sequences and prefix-cache snapshots (CUDA: the state \
+                        pool's pages in use, freed ranges kept for reuse included)";
             metric("state_memory_bytes", "gauge", help, used);
             let limit = s.state_memory_limit.load(Ordering::Relaxed);
             if limit != usize::MAX {
-                let help = "bytes of sequence state the backend may hold";
+                let help = "bytes of sequence state the backend may hold (CUDA: --state-mib)";
                 metric("state_memory_limit_bytes", "gauge", help, limit as f64);
             }
         }
