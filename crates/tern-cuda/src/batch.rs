@@ -103,9 +103,9 @@ pub struct SeqScratch {
     logits: CudaSlice<f32>,
     /// The multi-sequence prefill's buffers, allocated on its first use.
     multi: Option<MultiScratch>,
-    /// The batched pass captured as a CUDA graph, by (rows, attention splits, family left out): every address it bakes in is one of
-    /// these buffers (pointer tables and positions are uploaded before each launch) or of the pass's scratch rows,
-    /// whose address at capture is `graph_x` (a reallocation clears them).
+    /// The batched pass captured as a CUDA graph, by (rows, attention splits, family left out): every address it
+    /// bakes in is one of these buffers (pointer tables and positions are uploaded before each launch) or of the
+    /// pass's scratch rows, whose address at capture is `graph_x` (a reallocation clears them).
     graphs: PassGraphs,
     graph_x: u64,
 }
@@ -891,8 +891,6 @@ impl Gpu {
     }
 }
 
-/// Packed words per lane per k-block of the streamed expert kernels: 2 (k-blocks of 64 columns) where the group size
-/// and every inner size allow it, else 1 (32 columns).
 /// Column ranges dense_seqs splits a product over (grid z, `dense_mma` in moe_seqs.cu) where its `groups` blocks (of
 /// 4 warps) would leave the GPU mostly idle: the most of 1, 2, 4, 8 that keeps the blocks' warps within 8 a
 /// multiprocessor, each range a multiple of `unit` columns (32 W times the in-block split) and of `gunit` (the group
@@ -909,6 +907,8 @@ fn dense_split(groups: usize, n: usize, rows: usize, cols: usize, unit: usize, g
     [8, 4, 2].into_iter().find(|&kz| fits(kz)).unwrap_or(1)
 }
 
+/// Packed words per lane per k-block of the streamed expert kernels: 2 (k-blocks of 64 columns) where the group size
+/// and every inner size allow it, else 1 (32 columns).
 fn mma_words(gs: usize, ks: &[usize]) -> usize {
     if gs % 64 == 0 && ks.iter().all(|k| k % 64 == 0) {
         2

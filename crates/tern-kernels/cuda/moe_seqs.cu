@@ -17,8 +17,10 @@
 //                   block per 8 tokens and 128 / KS rows, token groups fastest (the blocks of one row range run
 //                   together, so the weights come from DRAM once and from L2 for the other token groups); KS = 4
 //                   splits each block's columns over its 4 warps (32 rows a block) for matrices that would make too
-//                   few blocks (out_proj, o_proj: 2048 rows; any matrix at n <= 8). Requirements (host): rows >= 16,
-//                   cols a multiple of 32 W KS and of the group size x KS, group size 32 << gshift >= 32 W.
+//                   few blocks (out_proj, o_proj: 2048 rows; any matrix at n <= 8); where even that leaves the GPU
+//                   idle, grid z = KZ blocks take a column range each and the last of them sums their partial sums
+//                   (part [KZ][n][rows], counts cnt: dense_mma). Requirements (host): rows >= 16, cols a multiple of
+//                   32 W KS KZ and of the group size x KS KZ, group size 32 << gshift >= 32 W.
 //                   Bytes rows*cols/2 (+ scales) from DRAM + 16*cols per block (x, L2). FLOPs 2*n*rows*cols.
 // moe_gate_up_seqs_w{1,2}  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t,
 //                   expert e) of tile blockIdx.y (t = rowmap[p]), j in [64 blockIdx.x, +64) of the expert's n = I (or
