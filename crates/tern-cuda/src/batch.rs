@@ -19,7 +19,8 @@
 //!
 //! [`DeviceModel::prefill_seqs`] does the same for prompt chunks of several sequences: the projections and the MoE
 //! over all their rows at once, each sequence's GDN and attention on its own rows with the prefill's kernels, then
-//! the last rows' lm_head and draws; it leaves each sequence bit for bit as its own prefill would.
+//! the last rows' lm_head and draws; it leaves each sequence bit for bit as its own prefill would where both passes
+//! take the same router and expert kernels (both of at most `STREAM_MAX_TOKENS` rows, or both longer).
 //!
 //! Projection inputs are bf16 (the batch-1 decode graph keeps f32 activations), so a sequence's logits in a batch
 //! differ from its logits alone by bf16 rounding, as the prefill's do. The step leaves each sequence's length
@@ -402,9 +403,11 @@ impl DeviceModel {
     /// over every sequence's rows together; each sequence's Gated DeltaNet and attention run on its own rows (the
     /// prefill's kernels, rows moved to and from a per-sequence buffer), continuing from what it holds. Then each
     /// sequence's last row gives its logits and draw as `want[r]` says. Every row's arithmetic is that of the
-    /// one-sequence prefill ([`DeviceState::prefill`]), so the state left behind is the same bit for bit (the last
-    /// row's logits are those of its all-positions lm_head GEMM). Input checks first; a failed launch leaves the
-    /// sequences' states undefined.
+    /// one-sequence prefill ([`DeviceState::prefill`]) of as many rows as the pass, so the state left behind is the
+    /// same bit for bit as the sequence's own prefill where both take the same router and expert kernels (both passes
+    /// of at most [`crate::prefill::STREAM_MAX_TOKENS`] rows, or both longer; across that line the router's sums and
+    /// the experts' bf16-rounded GEMM weights differ by rounding). The last row's logits are those of its
+    /// all-positions lm_head GEMM. Input checks first; a failed launch leaves the sequences' states undefined.
     pub fn prefill_seqs(
         &self,
         seqs: &mut [&mut DeviceState],
