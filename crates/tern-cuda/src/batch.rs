@@ -933,3 +933,29 @@ fn mma_smem(k: usize, w: usize, ng: usize, ks: usize) -> usize {
 fn mma_scale_stride(ng: usize) -> usize {
     8 * (ng.div_ceil(8) | 1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// dense_seqs' column split (host side, no GPU): 4 / 2 / 1 ways for the 2,048-row matrices at 8 / 16 / 32 rows on
+    /// 132 multiprocessors, never more ways than the columns, the group size or the split buffers allow.
+    #[test]
+    fn dense_split_follows_the_idle_gpu_and_the_shapes() {
+        // out_proj / o_proj: 2,048 x 4,096, group 64, W = 2, 4 column splits in the block (unit 256, gunit 256)
+        let groups = |n: usize| n.div_ceil(MM_TG) * 2048usize.div_ceil(MM_ROWS / 4);
+        let split = |n: usize| dense_split(groups(n), n, 2048, 4096, 256, 256, 132);
+        assert_eq!([split(1), split(8), split(16), split(32), split(64)], [4, 4, 2, 1, 1]);
+        // in_proj at 8 rows: 386 blocks already keep the GPU busy
+        assert_eq!(dense_split(386, 8, 12352, 2048, 256, 256, 132), 1);
+        // every way divides the columns into whole groups and k-blocks of each in-block split
+        for (cols, unit, gunit) in [(4096, 256, 256), (2048, 128, 128), (512, 256, 512), (96, 32, 32)] {
+            let kz = dense_split(16, 2, 2048, cols, unit, gunit, 132);
+            assert!(cols % (kz * unit) == 0 && cols % (kz * gunit) == 0, "{cols} columns in {kz} ways");
+        }
+        assert_eq!(dense_split(16, 2, 2048, 512, 256, 512, 132), 1); // a group of 128 x 4 splits: no room
+                                                                     // the partial sums must fit: KZ n rows floats
+        assert_eq!(dense_split(1, 64, crate::gpu::DENSE_SPLIT_PART / 64, 4096, 256, 256, 132), 1);
+        assert_eq!(dense_split(1, 64, crate::gpu::DENSE_SPLIT_PART / (64 * 8), 4096, 256, 256, 132), 8);
+    }
+}
