@@ -146,16 +146,10 @@ pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak
     Ok(())
 }
 
-/// Batched passes as CUDA graphs or not ([`crate::prefill::PrefillBuffers::graphs`]).
-fn set_graphs(m: &crate::model::DeviceModel, on: bool) -> Result<()> {
-    m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned"))?.graphs = on;
-    Ok(())
-}
-
-/// The kernel family the batched pass's graphs leave out ([`crate::prefill::PrefillBuffers::omit`]).
-fn set_omit(m: &crate::model::DeviceModel, omit: Option<String>) -> Result<()> {
-    m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned"))?.omit = omit;
-    Ok(())
+/// The model's pass buffers, where the bench sets whether batched passes run as CUDA graphs
+/// ([`crate::prefill::PrefillBuffers::graphs`]) and which kernel family their graphs leave out (`omit`).
+fn buffers(m: &crate::model::DeviceModel) -> Result<std::sync::MutexGuard<'_, crate::prefill::PrefillBuffers>> {
+    m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned"))
 }
 
 /// Context of every sequence in the batched decode table.
@@ -217,7 +211,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
         let mut ms = [0.0; 3];
         for ((want, graphs), ms) in [(&greedy, true), (&sampled, true), (&greedy, false)].into_iter().zip(ms.iter_mut())
         {
-            set_graphs(m, graphs)?;
+            buffers(m)?.graphs = graphs;
             let mut times = Vec::new();
             for rep in 0..=repeats {
                 let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
@@ -245,7 +239,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
             100.0 * tps / ceil
         );
     }
-    set_graphs(m, true)?;
+    buffers(m)?.graphs = true;
     println!("(ceiling: bytes per step / 4.3 TB/s; experts: expected distinct routed experts per layer)");
     // per-kernel-family profiles of one step at 8 and 32 sequences, side by side
     let sizes: Vec<usize> = [8, 32].into_iter().filter(|&b| b <= bmax).collect();
@@ -291,15 +285,15 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
                     s.set_len(&g, ctx)?;
                 }
                 // a whole step first: what a left-out family would have written (tile lists, rows) is this size's
-                set_omit(m, None)?;
+                buffers(m)?.omit = None;
                 m.decode_seqs(&mut refs, &ids, &want)?;
-                set_omit(m, omit.cloned())?;
+                buffers(m)?.omit = omit.cloned();
                 let a = g.stream.record_event(fl)?;
                 for _ in 0..8 {
                     m.decode_seqs(&mut refs, &ids, &want)?;
                 }
                 let z = g.stream.record_event(fl)?;
-                set_omit(m, None)?;
+                buffers(m)?.omit = None;
                 if rep > 0 {
                     times.push(a.elapsed_ms(&z)? as f64 / 8.0);
                 }
@@ -313,8 +307,8 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
         }
         cols.push(col);
     }
-    set_omit(m, None)?;
-    m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned"))?.seqs = None; // the extra graphs
+    buffers(m)?.omit = None;
+    buffers(m)?.seqs = None; // the extra graphs
     if !cols.is_empty() {
         let head: Vec<String> = sizes.iter().zip(&cols).map(|(b, c)| format!("{b} seqs {:.3} ms", c[0])).collect();
         println!(
