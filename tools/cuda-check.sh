@@ -6,6 +6,7 @@
 #   bash tools/cuda-run.sh bench 256,4096   # tern bench --backend cuda on random full-shape weights
 #   bash tools/cuda-run.sh serve            # tern serve --backend cuda on a full-shape random checkpoint + serve_probe
 #   bash tools/cuda-run.sh soak 560 64      # the same server, 64 clients of tools/soak.py for 560 s
+#   bash tools/cuda-run.sh moe              # tools/moe_bench.cu: the streamed expert kernels alone
 # Logs go to $OUT (the device tool brings them back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +17,12 @@ for t in gpu kernels prefill batch sample; do
   cp "$bin" ".carry/$t"
 done
 cp target/release/tern .carry/
+# the streamed experts' microbenchmark (tools/moe_bench.cu, `cuda-run.sh moe`), with the nvcc that builds the kernels
+cu13=$(python3 -c "import nvidia, os; print(os.path.join(nvidia.__path__[0], 'cu13'))")
+"$cu13/bin/nvcc" -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I"$cu13/include" -L"$cu13/lib" \
+  -o .carry/moe_bench tools/moe_bench.cu
 # binaries go compressed (the transfer limit is 64 MiB; tools/cuda-run.sh unpacks them)
-for f in .carry/tern .carry/gpu .carry/kernels .carry/prefill .carry/batch .carry/sample; do
+for f in .carry/tern .carry/gpu .carry/kernels .carry/prefill .carry/batch .carry/sample .carry/moe_bench; do
   gzip -f "$f"
 done
 qwen=${TERN_QWEN_DIR:-../shared/qwen3.6-35b-a3b}

@@ -8,6 +8,8 @@
 #                                        probe_client_cost.py, serve_load.py
 #   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
 #   tools/cuda-run.sh soak-start SECS [clients], then soak-wait  a soak longer than one call (two calls back to back)
+#   tools/cuda-run.sh moe                tools/moe_bench.cu: the streamed expert kernels alone at B = 1 / 8 / 32 / 64 (each
+#                                        variant's time, where the time goes, ring = register-streamed bit for bit)
 #   tools/cuda-run.sh ncu [kernel regex]  Nsight Compute on the batched decode's kernels (NCU_SKIP, NCU_COUNT)
 #   tools/cuda-run.sh stalls REGEX SKIP   per-instruction stall sampling of one launch (tools/ncu_stalls.py)
 # The environment passes through (TERN_BATCH_DECODE=0 / TERN_GPU_SAMPLING=0 turn the batched step and GPU sampling
@@ -42,6 +44,9 @@ tests | ignored)
   done
   echo "=== summary (rc test)"
   printf '%s' "$summary" | tee "$OUT/summary.txt"
+  ;;
+moe)
+  ./.carry/moe_bench 2>&1 | tee "$OUT/moe_bench.txt"
   ;;
 bench)
   ctx=${1:-256,4096,32768}

@@ -823,6 +823,28 @@ impl Gpu {
         ensure!(xn.len() >= sorted.n * h && act.len() >= pairs * imax, "moe_gate_up_seqs: buffers");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
+        if self.ring_fits(gu.gs, &[h, i, is]) {
+            let (tgs, f) = match sorted.tile <= 4 {
+                true => (4, &self.f.moe_gate_up_ring_t4),
+                false => (8, &self.f.moe_gate_up_ring_t8),
+            };
+            let smem = ring_smem(h, tgs);
+            ensure!(smem <= SMEM_MAX, "moe_gate_up_seqs: hidden size {h} needs {smem} bytes of shared memory");
+            let (words, groups) = (gu.words as i64, gu.groups as i64);
+            let v = [n_experts, i, is, h].map(|v| v as i32);
+            let ld = imax as i32;
+            let mut l = self.launcher(f);
+            l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
+            l.arg(xn).arg(&sorted.ntile).arg(&sorted.tiles).arg(&sorted.rowmap).arg(&*act).arg(&ld);
+            let grid = (imax.div_ceil(MM_J) as u32, sorted.max_tiles as u32);
+            // SAFETY: matches moe_gate_up_ring_t{4,8} (moe_seqs.cu); tiles from moe_align over `sorted` (see below:
+            // expert ids inside the buffers, pairs < rows of act, rowmap < n rows of xn); group size 64 and H, I, Is
+            // multiples of 256 (ring_fits): whole chunks of 128 bytes a row, 16-byte aligned rows and 8-byte aligned
+            // scale rows; an item past n clamps its rows to n - 8 (n >= 256); tiles of more than TGS pairs take
+            // several passes; shared memory as laid out there (ring_smem, checked against the opt-in limit).
+            unsafe { l.launch(cfg(grid, 128, smem)) }?;
+            return Ok(());
+        }
         let glog = log2_exact(gu.gs, "moe_gate_up_seqs: group size")? - 5;
         let smem = mma_smem(h, w, h / gu.gs, 1);
         ensure!(smem <= SMEM_MAX, "moe_gate_up_seqs: hidden size {h} needs {smem} bytes of shared memory");
@@ -874,6 +896,27 @@ impl Gpu {
         ensure!(act.len() >= pairs * imax && ybuf.len() >= pairs * h, "moe_down_seqs: buffers");
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");
+        if self.ring_fits(down.gs, &[h, i, is]) {
+            let (tgs, f) = match sorted.tile <= 4 {
+                true => (4, &self.f.moe_down_ring_t4),
+                false => (8, &self.f.moe_down_ring_t8),
+            };
+            let smem = ring_smem(imax, tgs);
+            ensure!(smem <= SMEM_MAX, "moe_down_seqs: inner size {imax} needs {smem} bytes of shared memory");
+            let (words, groups) = (down.words as i64, down.groups as i64);
+            let v = [n_experts, i, is, h].map(|v| v as i32);
+            let ld = imax as i32;
+            let mut l = self.launcher(f);
+            l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]);
+            l.arg(&v[3]).arg(act).arg(&ld).arg(&sorted.ntile).arg(&sorted.tiles).arg(&*ybuf);
+            let grid = (h.div_ceil(RING_DOWN_ROWS) as u32, sorted.max_tiles as u32);
+            // SAFETY: matches moe_down_ring_t{4,8} (moe_seqs.cu); tiles from moe_align over `sorted`: pairs < rows of
+            // act and ybuf, expert ids inside the buffers; group size 64 and H, I, Is multiples of 256 (ring_fits):
+            // whole 128-byte chunks of each row, aligned rows; an item past H clamps its rows to H - 16; each expert's
+            // inner size <= imax = act's row stride; shared memory sized for imax (ring_smem, checked).
+            unsafe { l.launch(cfg(grid, 128, smem)) }?;
+            return Ok(());
+        }
         let glog = log2_exact(down.gs, "moe_down_seqs: group size")? - 5;
         let smem = mma_smem(imax, w, imax / down.gs, 1);
         ensure!(smem <= SMEM_MAX, "moe_down_seqs: inner size {imax} needs {smem} bytes of shared memory");
@@ -932,6 +975,27 @@ fn mma_smem(k: usize, w: usize, ng: usize, ks: usize) -> usize {
 /// Row stride of the kernels' shared copy of scales (`mma_scale_stride` in moe_seqs.cu).
 fn mma_scale_stride(ng: usize) -> usize {
     8 * (ng.div_ceil(8) | 1)
+}
+
+/// Output rows per block of moe_down_ring (RING_NW warps x RING_R items of 16 rows x 2 sets).
+const RING_DOWN_ROWS: usize = 256;
+/// Bytes of one warp's ring in the ring kernels (RING_S stages of RING_SLOT) times RING_NW warps.
+const RING_BYTES: usize = 4 * 2 * (2 * (2048 + 256));
+
+/// Shared memory of the ring expert kernels for `cols` staged columns of `tgs` token slots (moe_seqs.cu
+/// `ring_base`): the bf16 tokens and their sums per 64-column k-block, to 128 bytes, then the warps' rings.
+fn ring_smem(cols: usize, tgs: usize) -> usize {
+    (cols / 8 * tgs * 16 + cols / 64 * tgs * 4).next_multiple_of(128) + RING_BYTES
+}
+
+impl Gpu {
+    /// Whether the streamed expert products take the ring kernels: turned on ([`Gpu::moe_ring`]), group size 64 and
+    /// every inner size a multiple of their 256-column chunks.
+    fn ring_fits(&self, gs: usize, sizes: &[usize]) -> bool {
+        self.moe_ring.load(std::sync::atomic::Ordering::Relaxed)
+            && gs == 64
+            && sizes.iter().all(|&v| v >= 256 && v % 256 == 0)
+    }
 }
 
 #[cfg(test)]

@@ -241,6 +241,39 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
     }
     buffers(m)?.graphs = true;
     println!("(ceiling: bytes per step / 4.3 TB/s; experts: expected distinct routed experts per layer)");
+    // the streamed experts through the shared-memory ring kernels or the register-streamed ones (Gpu::moe_ring; the
+    // same results bit for bit), greedy with graphs: each setting's graphs captured afresh
+    let ring_was = g.moe_ring.load(std::sync::atomic::Ordering::Relaxed);
+    let mut ab: Vec<String> = Vec::new();
+    for &b in [1usize, 8, 32, 64].iter().filter(|&&b| b <= bmax) {
+        let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+        let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
+        let mut ms = [0.0; 2];
+        for (ring, ms) in [false, true].into_iter().zip(ms.iter_mut()) {
+            g.moe_ring.store(ring, std::sync::atomic::Ordering::Relaxed);
+            buffers(m)?.seqs = None;
+            let mut times = Vec::new();
+            for rep in 0..=repeats {
+                let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+                for s in refs.iter_mut() {
+                    s.set_len(&g, ctx)?;
+                }
+                let a = g.stream.record_event(fl)?;
+                for _ in 0..8 {
+                    m.decode_seqs(&mut refs, &ids, &want)?;
+                }
+                let z = g.stream.record_event(fl)?;
+                if rep > 0 {
+                    times.push(a.elapsed_ms(&z)? as f64 / 8.0);
+                }
+            }
+            *ms = median(&mut times);
+        }
+        ab.push(format!("B = {b}: {:.3} -> {:.3} ms", ms[0], ms[1]));
+    }
+    g.moe_ring.store(ring_was, std::sync::atomic::Ordering::Relaxed);
+    buffers(m)?.seqs = None;
+    println!("streamed experts, register-streamed -> ring kernels (ms a step): {}", ab.join(", "));
     // per-kernel-family profiles of one step at 8 and 32 sequences, side by side
     let sizes: Vec<usize> = [8, 32].into_iter().filter(|&b| b <= bmax).collect();
     let mut profiles = Vec::new();

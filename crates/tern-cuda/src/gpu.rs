@@ -79,7 +79,8 @@ funcs! {
     // batched decode (one token for each of B sequences): see batch.rs
     gdn_step_seqs: "gdn", attn_prep_seqs: "attention", attn_decode_kv_seqs: "attention",
     attn_combine_seqs: "attention", moe_gate_up_seqs_w1: "moe_seqs", moe_gate_up_seqs_w2: "moe_seqs",
-    moe_down_seqs_w1: "moe_seqs", moe_down_seqs_w2: "moe_seqs",
+    moe_down_seqs_w1: "moe_seqs", moe_down_seqs_w2: "moe_seqs", moe_gate_up_ring_t4: "moe_seqs",
+    moe_gate_up_ring_t8: "moe_seqs", moe_down_ring_t4: "moe_seqs", moe_down_ring_t8: "moe_seqs",
     router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs",
     dense_seqs_w1_k1: "moe_seqs", dense_seqs_w2_k1: "moe_seqs", dense_seqs_w1_k4: "moe_seqs", dense_seqs_w2_k4: "moe_seqs",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
@@ -239,6 +240,10 @@ pub struct Gpu {
     /// While set, [`KLaunch::launch`] launches nothing: the bench's timing of the batched step with one kernel
     /// family left out ([`crate::prefill::PrefillBuffers::omit`]).
     pub(crate) omit: std::sync::atomic::AtomicBool,
+    /// The streamed expert kernels take the shared-memory ring variants where the shapes allow (moe_seqs.cu
+    /// `moe_*_ring_t*`; default, `TERN_MOE_RING=0` turns it off): the same results bit for bit, faster. Tests and the
+    /// bench set it to compare the two.
+    pub moe_ring: std::sync::atomic::AtomicBool,
     /// dense_seqs' column split over blocks (moe_seqs.cu `dense_mma`): the partial sums `[KZ][n][rows]` and the
     /// per-block-group counts (zero between launches).
     pub(crate) split_part: CudaSlice<f32>,
@@ -372,6 +377,7 @@ impl Gpu {
             sampler: Default::default(),
             pdl,
             omit: std::sync::atomic::AtomicBool::new(false),
+            moe_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_MOE_RING").map_or(true, |v| v != "0")),
             split_part,
             split_cnt,
             _modules: modules.into_iter().map(|m| m.1).collect(),

@@ -56,6 +56,10 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.moe_gate_up_seqs_w2,
         &f.moe_down_seqs_w1,
         &f.moe_down_seqs_w2,
+        &f.moe_gate_up_ring_t4,
+        &f.moe_gate_up_ring_t8,
+        &f.moe_down_ring_t4,
+        &f.moe_down_ring_t8,
         &f.dense_seqs_w1_k1,
         &f.dense_seqs_w2_k1,
         &f.dense_seqs_w1_k4,
@@ -71,8 +75,21 @@ pub(crate) fn log2_exact(v: usize, what: &str) -> Result<i32> {
 
 /// Pairs per tile of the streamed expert kernels (moe_seqs.cu: MM_TG, the mma's n): one pass over a tile's tokens,
 /// so that an expert many tokens share (the shared expert holds every token) is spread over many blocks rather than
-/// looped over in one.
+/// looped over in one. Decode batches take tiles of [`STREAM_TILE_DECODE`] ([`stream_tile`]).
 pub const STREAM_TILE: usize = 8;
+/// Pairs per tile of the streamed expert kernels in a pass of at most [`crate::batch::MAX_SEQS`] rows (a decode
+/// batch): most routed experts get 1-2 of its pairs, and the ring kernels' 4 token slots halve their staged
+/// activations (shared memory: 4 blocks a multiprocessor instead of 3). Measured on the H200 (tools/moe_bench.cu):
+/// gate|up at B = 8 / 32 / 64 29.7 / 73.4 / 100.0 us in tiles of 4 against 38.5 / 80.7 / 104.6 in tiles of 8.
+pub const STREAM_TILE_DECODE: usize = 4;
+
+/// The streamed expert kernels' tile for a pass of `n` rows.
+pub fn stream_tile(n: usize) -> usize {
+    match n <= crate::batch::MAX_SEQS {
+        true => STREAM_TILE_DECODE,
+        false => STREAM_TILE,
+    }
+}
 
 /// Upper bound of the tiles of `tile` pairs for `n` tokens: every expert's pairs rounded up to the tile.
 pub fn max_moe_tiles(n: usize, k: usize, experts: usize, tile: usize) -> usize {
@@ -652,7 +669,7 @@ impl Gpu {
 }
 
 /// The expert-sorted (token, slot) pairs of one MoE layer and their tile list (moe_align): tiles of at most `tile`
-/// pairs of one expert (the grouped GEMMs take 64, the streamed kernels [`STREAM_TILE`]).
+/// pairs of one expert (the grouped GEMMs take 64, the streamed kernels [`stream_tile`]).
 pub struct MoeSorted {
     pub rowmap: CudaSlice<i32>,
     pub pos: CudaSlice<i32>,
@@ -672,7 +689,7 @@ impl MoeSorted {
             rowmap: g.zeros(pairs)?,
             pos: g.zeros(pairs)?,
             ntile: g.zeros(1)?,
-            tiles: g.zeros(3 * max_moe_tiles(cap, k, experts, STREAM_TILE))?,
+            tiles: g.zeros(3 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
             n: 0,
             k,
             experts,
@@ -1103,7 +1120,7 @@ pub(crate) fn moe_rows(
     }
     let tile = match how {
         MoeExperts::Gemm => MOE_TILE,
-        MoeExperts::Streamed => STREAM_TILE,
+        MoeExperts::Streamed => stream_tile(n),
     };
     g.moe_align(&sc.idx, n, k, e, tile, &mut sc.sorted)?;
     match how {

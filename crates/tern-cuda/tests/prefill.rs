@@ -258,9 +258,28 @@ fn moe_rows_match_cpu() {
                 let want = moe(&c, &l.moe, &u, n, Some(&ids), None);
                 let (e_max, e_norm) = (rel(&got, &want), rel2(&got, &want));
                 // the streamed kernels of the batched decode step (tensor cores, exact codes, bf16 activations) on
-                // the same pairs, in their tiles of a few pairs
+                // the same pairs, in their tiles of a few pairs (the ring kernels where the shapes allow)
                 let ntile_gemm = g.download(&b.sorted.ntile).unwrap()[0];
-                g.moe_align(&b.idx, n, k, e, tern_cuda::prefill::STREAM_TILE, &mut b.sorted).unwrap();
+                // the ring kernels (moe_seqs.cu moe_*_ring_t*, where the shapes allow) against the register-streamed
+                // ones on the same pairs, in tiles of 4 and of 8: the same products bit for bit
+                let imax = sizes.0.max(sizes.1);
+                for tile in [tern_cuda::prefill::STREAM_TILE_DECODE, tern_cuda::prefill::STREAM_TILE] {
+                    g.moe_align(&b.idx, n, k, e, tile, &mut b.sorted).unwrap();
+                    let mut outs = Vec::new();
+                    for ring in [true, false] {
+                        g.moe_ring.store(ring, std::sync::atomic::Ordering::Relaxed);
+                        g.stream.memcpy_htod(&vec![0x7fc0u16; n * (k + 1) * imax], &mut b.act).unwrap();
+                        g.stream.memcpy_htod(&vec![f32::NAN; n * (k + 1) * h], &mut b.ybuf).unwrap();
+                        g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xn, &b.sorted, &mut b.act).unwrap();
+                        g.moe_down_seqs(&dl.down, e, sizes, h, &b.act, &b.sorted, &mut b.ybuf).unwrap();
+                        let ybits: Vec<u32> = g.download(&b.ybuf).unwrap().iter().map(|v| v.to_bits()).collect();
+                        outs.push((g.download(&b.act).unwrap(), ybits));
+                    }
+                    g.moe_ring.store(true, std::sync::atomic::Ordering::Relaxed);
+                    assert!(outs[0].0 == outs[1].0, "{name} N={n} tiles of {tile}: ring gate|up differs");
+                    assert!(outs[0].1 == outs[1].1, "{name} N={n} tiles of {tile}: ring down differs");
+                }
+                g.moe_align(&b.idx, n, k, e, tern_cuda::prefill::stream_tile(n), &mut b.sorted).unwrap();
                 g.stream.memcpy_htod(&x, &mut b.x).unwrap();
                 let nan = vec![f32::NAN; n * (k + 1) * h];
                 g.stream.memcpy_htod(&nan, &mut b.ybuf).unwrap();

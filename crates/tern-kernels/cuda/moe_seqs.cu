@@ -99,14 +99,15 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ src, long ld, c
 #define MM_WARPS 4   // warps per block (128 threads)
 #define MM_TG 8      // tokens per pass (the mma's n)
 
-// Stage rows (rowmap[p0 + t], or p0 + t when direct; t < nt <= MM_TG) of src [*, ld] (f32 or bf16), cols columns
+// Stage rows (rowmap[p0 + t], or p0 + t when direct; t < nt <= TGS) of src [*, ld] (f32 or bf16), cols columns
 // (a multiple of 32 W), into xs (the layout above; uint4 [cols / 8 * MM_TG], only the slots of tokens < nt
 // written) and xsum [cols / (32 W)][MM_TG]; every thread of the block calls it; ends with a barrier. The loads of
 // up to 4 units per thread are issued together (one round trip for up to 4 * blockDim units; a loop of one unit
 // per trip over all 8 token slots cost gate|up 183 against 170 us).
-template <int W, typename T>
+template <int W, int TGS = MM_TG, typename T>
 __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, const int* __restrict__ rowmap,
                                           int p0, int nt, int cols, bool direct, uint4* xs, float* xsum) {
+    // TGS token slots (MM_TG for rows_mma; the ring kernels stage 4 or 8)
     // unit u = ((kb nt + t) 4 + c) W + i: 8 columns of one token (column 8 (c W + i) of its k-block: adjacent lanes
     // read adjacent 32 bytes); the 4 W units of one (kb, t) are adjacent lanes, and units is a multiple of 4 W, so a
     // shuffle group is all in range or all out
@@ -117,7 +118,7 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
     for (int u0 = 0; u0 < units; u0 += 4 * blockDim.x) {  // uniform trip count: the shuffles see every lane
         // f32: two float4 of the unit's 8 columns; bf16: one uint4 (as raw words in va[k].x..w)
         float4 va[4], vb[4];
-        int slot[4];  // where the unit goes: ((kb W + i) MM_TG + t) 4 + c
+        int slot[4];  // where the unit goes: ((kb W + i) TGS + t) 4 + c
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int u = u0 + k * blockDim.x + threadIdx.x;
@@ -126,7 +127,7 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
             if (u < units) {
                 const int i = u & (W - 1), c = (u / W) & 3, q = u / (4 * W);
                 const int kb = (int)(((unsigned)q * magic) >> 16), t = q - kb * nt;
-                slot[k] = ((kb * W + i) * MM_TG + t) * 4 + c;
+                slot[k] = ((kb * W + i) * TGS + t) * 4 + c;
                 const long row = direct ? (long)(p0 + t) : (long)rowmap[p0 + t];
                 const T* p = src + row * ld + kb * 32 * W + 8 * (c * W + i);
                 if constexpr (sizeof(T) == 4) {
@@ -165,9 +166,9 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
             for (int o = 1; o < 4 * W; o <<= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
             if (u < units) {
                 xs[slot[k]] = q;
-                // the first unit of a (kb, t) has slot (kb W MM_TG + t) 4: xsum index kb MM_TG + t
+                // the first unit of a (kb, t) has slot (kb W TGS + t) 4: xsum index kb TGS + t
                 const int kt = slot[k] >> 2;
-                if ((u & (4 * W - 1)) == 0) xsum[kt / (W * MM_TG) * MM_TG + (kt & (MM_TG - 1))] = sum;
+                if ((u & (4 * W - 1)) == 0) xsum[kt / (W * TGS) * TGS + (kt & (TGS - 1))] = sum;
             }
         }
     }
@@ -463,6 +464,302 @@ __device__ __forceinline__ void moe_down_mma(const uint32_t* __restrict__ w, con
     }
 MOE_MMA(1)
 MOE_MMA(2)
+
+// ---- the ring kernels (moe_gate_up_ring_t{4,8}, moe_down_ring_t{4,8}): the experts' rows through shared memory ----
+// Same products, arithmetic and results (bit for bit) as moe_gate_up_seqs_w2 / moe_down_seqs_w2, for group size 64
+// and inner sizes that are multiples of 256; what differs is how the weights reach the tensor cores. There, every
+// weight load of a warp touched 8 rows x 32 bytes (8 lines, one sector each) and held its data in registers until
+// used; measured on the H200 (tools/moe_bench.cu), that access pattern alone moved a B = 32 layer's gate|up bytes in
+// 65 us where whole-line loads take 42, and with the weights hot in L2 the kernel still took 68 of its 83 us. Here
+// each warp streams its items through a private ring of RING_S stages in shared memory with 16-byte cp.async (8
+// lanes a row: whole 128-byte lines, 4 rows an instruction, nothing held in registers), and reads them back as the
+// mma fragments.
+//
+// A chunk is 256 columns of an item's 16 rows (128 bytes a row: 4 k-blocks of 64 columns, one group each) with the
+// rows' 4 scales and 4 biases (8 bytes each, copied beside them: no block-wide scale copy before the first k-block).
+// Stage layout (bytes): weights [RING_R items][16 rows][128], row q's 16-byte unit u at ((u ^ (q & 7)) << 4) so that
+// the 8 rows g of one mma read distinct banks; then scales [RING_R][16][8] and biases [RING_R][16][8]. Lane (g, c)
+// reads 8 bytes of rows g and g + 8 per k-block: the words c W + i (W = 2) of rows_mma's layout, so the activations
+// are staged exactly as there (stage_mma, TGS token slots) and the mma, scale and bias steps are rows_mma's.
+//
+// moe_gate_up_ring_t{TGS}  as moe_gate_up_seqs_w2: block (x, y) = tile y (at most TGS pairs per pass), j in
+//                   [64 x, +64): 4 warps of 2 items (8 gate rows + their 8 up rows). Shared memory: xs [H / 8 * TGS]
+//                   uint4 | xsum [H / 64][TGS] (to 128 bytes) | 4 rings of RING_S stages (ring_smem in batch.rs).
+// moe_down_ring_t{TGS}  as moe_down_seqs_w2: block (x, y) = tile y, rows [256 x, +256) of H: warp w takes items
+//                   (s 4 + w) 2 + r (16 rows each) for sets s = 0, 1, streamed as one run of chunks. Shared memory:
+//                   xs [Imax / 8 * TGS] | xsum [Imax / 64][TGS] (to 128 bytes) | 4 rings.
+// Measured alone (tools/moe_bench.cu, H200, one layer, uniform routing, B = 1 / 8 / 32 / 64): gate|up 15.1 / 37.2 /
+// 82.7 / 107.8 -> 10.2 / 29.7 / 73.4 / 100.0 us (T4), down 6.6 / 19.7 / 47.3 / 60.1 -> 6.3 / 15.8 / 36.0 / 46.2 us
+// (T8). Requirements (host): group size 64, H and the inner sizes multiples of 256, tiles of at most TGS pairs
+// (or more: then passes of TGS, each streaming the rows again).
+#define RING_R 2      // items per warp, computed together
+#define RING_S 2      // stages per warp ring
+#define RING_NW 4     // warps per block
+#define RING_SLOT (RING_R * (2048 + 256))
+
+__device__ __forceinline__ void cp_async16_l2(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ uint2 lds64(const unsigned char* p) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(smem_u32(p)));
+    return v;
+}
+
+// Where item r of a warp's set starts: its row 0's weights, scales and biases (bytes, column 0).
+struct RingItem {
+    const unsigned char *w, *s, *b;
+};
+
+// The products of this warp's item sets: set it (< sets), item r: rows 0-7 at item(it, r).w with row stride rs
+// bytes, rows 8-15 at + wstep (scales likewise: srs, swstep), over nc chunks, with the staged tokens (xs, xsum; nt of
+// them); emit(it, tot) gets each set's sums, tot[r][0..3] as rows_mma's. `stg` stages xs / xsum (block-wide, ending
+// with a barrier) once the first stage is in flight. The ring is this warp's RING_S stages. Every lane of the warp
+// calls it; cp.async groups are committed one per unit (empty ones too), so that waiting for all but the newest
+// RING_S - 2 leaves the unit about to be used complete; the __syncwarp after that wait makes every lane's copies
+// visible to the warp, and (one unit later) keeps a stage from being refilled while a lane still reads it.
+template <int TGS, typename Item, typename Stage, typename Emit>
+__device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, long wstep, long srs, long swstep,
+                                          int nt, const uint4* xs, const float* xsum, unsigned char* ring, Stage stg,
+                                          Emit emit) {
+    constexpr int R = RING_R, S = RING_S;
+    const int lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
+    const bool tok = g < nt;
+    uint32_t mask = 0x000F000Fu, hi = 0x43004300u;
+    asm volatile("" : "+r"(mask), "+r"(hi));
+    // this lane's copies: weight unit k (0..3) is row 4k + lane / 8, 16-byte unit lane % 8 of the row's 128 bytes
+    const int l8 = lane >> 3, u = lane & 7;
+    long src_w[4];
+    uint32_t dst_w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int row = 4 * k + l8;
+        src_w[k] = (long)(row & 7) * rs + (row >> 3) * wstep + 16 * u;
+        dst_w[k] = row * 128 + ((u ^ (row & 7)) << 4);
+    }
+    // scales and biases: lanes 0-15 copy the scales of row lane, lanes 16-31 the biases of row lane - 16
+    const int qs = lane & 15;
+    const long src_s = (long)(qs & 7) * srs + (qs >> 3) * swstep;
+    const uint32_t dst_s = R * 2048 + (lane >> 4) * (R * 128) + qs * 8;
+    const int units = sets * nc;
+    int iit = 0, icc = 0, islot = 0;  // the next unit to copy (set, chunk) and its stage: counters, no divisions
+    auto issue = [&]() {
+        unsigned char* slot = ring + islot * RING_SLOT;
+        const int it = iit, cc = icc;
+        if (++icc == nc) {
+            icc = 0;
+            iit++;
+        }
+        islot = islot == S - 1 ? 0 : islot + 1;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const RingItem ip = item(it, r);
+#pragma unroll
+            for (int k = 0; k < 4; k++) cp_async16_l2(slot + r * 2048 + dst_w[k], ip.w + src_w[k] + cc * 128);
+            cp_async8(slot + dst_s + r * 128, (lane < 16 ? ip.s : ip.b) + src_s + cc * 8);
+        }
+    };
+#pragma unroll
+    for (int v = 0; v < S - 1; v++) {
+        if (v < units) issue();
+        cp_async_commit();
+    }
+    stg();
+    float tot[R][4];
+#pragma unroll
+    for (int r = 0; r < R; r++) tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f;
+    int un = 0, cslot = 0;
+    for (int it = 0; it < sets; it++)
+        for (int cc = 0; cc < nc; cc++, un++) {
+            cp_async_wait<S - 2>();
+            __syncwarp();
+            if (un + S - 1 < units) issue();
+            cp_async_commit();
+            const unsigned char* slot = ring + cslot * RING_SLOT;
+            cslot = cslot == S - 1 ? 0 : cslot + 1;
+            // the 4 groups' scales and biases of rows g and g + 8 of each item (bf16 pairs: groups 0 1 | 2 3)
+            uint2 sv[R][2], bv[R][2];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                sv[r][0] = lds64(slot + R * 2048 + r * 128 + g * 8);
+                sv[r][1] = lds64(slot + R * 2048 + r * 128 + (g + 8) * 8);
+                bv[r][0] = lds64(slot + R * 2048 + R * 128 + r * 128 + g * 8);
+                bv[r][1] = lds64(slot + R * 2048 + R * 128 + r * 128 + (g + 8) * 8);
+            }
+#pragma unroll
+            for (int kbl = 0; kbl < 4; kbl++) {
+                const int kb = cc * 4 + kbl;
+                uint4 x[2];
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    x[i] = tok ? xs[(kb * 2 + i) * (4 * TGS) + lane] : make_uint4(0u, 0u, 0u, 0u);
+                float2 xsm = make_float2(0.f, 0.f);
+                if (2 * q4 < TGS) xsm = *reinterpret_cast<const float2*>(xsum + kb * TGS + 2 * q4);
+                const int woff = g * 128 + (((2 * kbl + (q4 >> 1)) ^ g) << 4) + (q4 & 1) * 8;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    const uint2 wl = lds64(slot + r * 2048 + woff), wh = lds64(slot + r * 2048 + 1024 + woff);
+                    const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
+                    float cb[4] = {0.f, 0.f, 0.f, 0.f}, cb2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        const uint32_t w0 = w0s[i], w1 = w1s[i];
+                        const uint32_t a0[4] = {q4_pair(w0, 0, mask, hi), q4_pair(w1, 0, mask, hi),
+                                                q4_pair(w0, 1, mask, hi), q4_pair(w1, 1, mask, hi)};
+                        mma_bf16(cb, a0, x[i].x, x[i].y);
+                        const uint32_t a1[4] = {q4_pair(w0, 2, mask, hi), q4_pair(w1, 2, mask, hi),
+                                                q4_pair(w0, 3, mask, hi), q4_pair(w1, 3, mask, hi)};
+                        mma_bf16(cb2, a1, x[i].z, x[i].w);
+                    }
+#pragma unroll
+                    for (int v = 0; v < 4; v++) cb[v] += cb2[v];
+                    // group kbl's scale and bias of rows g and g + 8 (bf16 in the low or high half)
+                    const uint32_t s0w = kbl < 2 ? sv[r][0].x : sv[r][0].y, s1w = kbl < 2 ? sv[r][1].x : sv[r][1].y;
+                    const uint32_t b0w = kbl < 2 ? bv[r][0].x : bv[r][0].y, b1w = kbl < 2 ? bv[r][1].x : bv[r][1].y;
+                    const float s0 = __uint_as_float((kbl & 1) ? s0w & 0xffff0000u : s0w << 16);
+                    const float s1 = __uint_as_float((kbl & 1) ? s1w & 0xffff0000u : s1w << 16);
+                    const float b0 = fmaf(-128.f, s0, __uint_as_float((kbl & 1) ? b0w & 0xffff0000u : b0w << 16));
+                    const float b1 = fmaf(-128.f, s1, __uint_as_float((kbl & 1) ? b1w & 0xffff0000u : b1w << 16));
+                    tot[r][0] = fmaf(s0, cb[0], fmaf(b0, xsm.x, tot[r][0]));
+                    tot[r][1] = fmaf(s0, cb[1], fmaf(b0, xsm.y, tot[r][1]));
+                    tot[r][2] = fmaf(s1, cb[2], fmaf(b1, xsm.x, tot[r][2]));
+                    tot[r][3] = fmaf(s1, cb[3], fmaf(b1, xsm.y, tot[r][3]));
+                }
+            }
+            if (cc == nc - 1) {
+                emit(it, tot);
+#pragma unroll
+                for (int r = 0; r < R; r++) tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f;
+            }
+        }
+    cp_async_wait<0>();  // nothing of this warp's ring is left in flight when the caller reuses it
+    __syncwarp();
+}
+
+// Offset of the rings in the ring kernels' shared memory: after xs and xsum for `cols` columns, to 128 bytes.
+__device__ __forceinline__ int ring_base(int cols, int tgs) { return (cols / 8 * tgs * 16 + cols / 64 * tgs * 4 + 127) & ~127; }
+
+template <int TGS>
+__device__ __forceinline__ void moe_gate_up_ring(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                                 const __nv_bfloat16* __restrict__ b, long words, long groups, int E,
+                                                 int I, int Is, int H, const float* __restrict__ xn,
+                                                 const int* __restrict__ ntile, const int* __restrict__ tiles,
+                                                 const int* __restrict__ rowmap, __nv_bfloat16* __restrict__ act,
+                                                 int ld) {
+    constexpr int JB = RING_NW * RING_R * 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    pdl_wait();  // the tile list comes from moe_align, xn from the post-norm
+    const int t = blockIdx.y;
+    if (t >= *ntile) return;
+    const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
+    const int n = e == E ? Is : I;
+    const int j0 = blockIdx.x * JB;
+    if (j0 >= n || cnt <= 0) return;
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    float* xsum = reinterpret_cast<float*>(xs + H / 8 * TGS);
+    unsigned char* ring = smem + ring_base(H, TGS) + warp * RING_S * RING_SLOT;
+    const long rs = H / 2, srs = H / 32;  // bytes per row: codes, and scales (64-column groups, bf16)
+    const unsigned char* wb = reinterpret_cast<const unsigned char*>(w + e * words);
+    const unsigned char* sb = reinterpret_cast<const unsigned char*>(s + e * groups);
+    const unsigned char* bb = reinterpret_cast<const unsigned char*>(b + e * groups);
+    // item r: gate rows j .. j + 7, up rows n + j ..; an item past n reads valid rows and stores nothing
+    auto item = [&](int, int r) {
+        const int jl = min(j0 + 8 * (warp * RING_R + r), n - 8);
+        return RingItem{wb + jl * rs, sb + jl * srs, bb + jl * srs};
+    };
+    for (int g0 = 0; g0 < cnt; g0 += TGS) {
+        const int nt = min(TGS, cnt - g0);
+        if (g0 > 0) __syncthreads();  // the previous pass is done with xs
+        rows_ring<TGS>(
+            item, 1, H / 256, rs, n * rs, srs, n * srs, nt, xs, xsum, ring,
+            [&] { stage_mma<2, TGS>(xn, H, rowmap, p0 + g0, nt, H, false, xs, xsum); },
+            [&](int, float(&tot)[RING_R][4]) {
+#pragma unroll
+                for (int r = 0; r < RING_R; r++) {
+                    const int jr = j0 + 8 * (warp * RING_R + r);
+                    if (jr >= n) continue;
+#pragma unroll
+                    for (int q = 0; q < 2; q++)
+                        if (2 * c + q < nt)
+                            act[(long)(p0 + g0 + 2 * c + q) * ld + jr + g] =
+                                __float2bfloat16(silu_f(tot[r][q]) * tot[r][2 + q]);
+                }
+            });
+    }
+}
+
+template <int TGS>
+__device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                              const __nv_bfloat16* __restrict__ b, long words, long groups, int E,
+                                              int I, int Is, int H, const __nv_bfloat16* __restrict__ act, int ld,
+                                              const int* __restrict__ ntile, const int* __restrict__ tiles,
+                                              float* __restrict__ ybuf) {
+    constexpr int SETS = 2, RB = RING_NW * RING_R * 16 * SETS;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    pdl_wait();  // the tile list comes from moe_align, act from the gate|up kernel
+    const int t = blockIdx.y;
+    if (t >= *ntile) return;
+    const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
+    const int n = e == E ? Is : I;
+    const int r0 = blockIdx.x * RB;
+    if (r0 >= H || cnt <= 0) return;
+    const int imax = I > Is ? I : Is;
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    float* xsum = reinterpret_cast<float*>(xs + imax / 8 * TGS);
+    unsigned char* ring = smem + ring_base(imax, TGS) + warp * RING_S * RING_SLOT;
+    const long rs = n / 2, srs = n / 32;
+    const unsigned char* wb = reinterpret_cast<const unsigned char*>(w + e * words);
+    const unsigned char* sb = reinterpret_cast<const unsigned char*>(s + e * groups);
+    const unsigned char* bb = reinterpret_cast<const unsigned char*>(b + e * groups);
+    auto start = [&](int it, int r) { return r0 + 16 * ((it * RING_NW + warp) * RING_R + r); };
+    // an item past H reads valid rows and stores nothing
+    auto item = [&](int it, int r) {
+        const int rl = min(start(it, r), H - 16);
+        return RingItem{wb + rl * rs, sb + rl * srs, bb + rl * srs};
+    };
+    for (int g0 = 0; g0 < cnt; g0 += TGS) {
+        const int nt = min(TGS, cnt - g0);
+        if (g0 > 0) __syncthreads();
+        rows_ring<TGS>(
+            item, SETS, n / 256, rs, 8 * rs, srs, 8 * srs, nt, xs, xsum, ring,
+            [&] { stage_mma<2, TGS>(act, ld, nullptr, p0 + g0, nt, n, true, xs, xsum); },
+            [&](int it, float(&tot)[RING_R][4]) {
+#pragma unroll
+                for (int q = 0; q < RING_R; q++) {
+                    const int rr = start(it, q);
+                    if (rr >= H) continue;
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int row = rr + g + 8 * h;
+                        if (2 * c < nt) ybuf[(long)(p0 + g0 + 2 * c) * H + row] = tot[q][2 * h];
+                        if (2 * c + 1 < nt) ybuf[(long)(p0 + g0 + 2 * c + 1) * H + row] = tot[q][2 * h + 1];
+                    }
+                }
+            });
+    }
+}
+
+#define MOE_RING(TGS, MINB)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128, MINB) moe_gate_up_ring_t##TGS(                               \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
+        int Is, int H, const float* xn, const int* ntile, const int* tiles, const int* rowmap, __nv_bfloat16* act, \
+        int ld) {                                                                                                \
+        KTRACE(43);                                                                                              \
+        moe_gate_up_ring<TGS>(w, s, b, words, groups, E, I, Is, H, xn, ntile, tiles, rowmap, act, ld);           \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 4) moe_down_ring_t##TGS(                                     \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
+        int Is, int H, const __nv_bfloat16* act, int ld, const int* ntile, const int* tiles, float* ybuf) {      \
+        KTRACE(44);                                                                                              \
+        moe_down_ring<TGS>(w, s, b, words, groups, E, I, Is, H, act, ld, ntile, tiles, ybuf);                    \
+    }
+MOE_RING(4, 4)
+MOE_RING(8, 3)
 
 // dense_seqs_w{W}_k{KS}: see the contract at the top. Block: 4 warps over 128 / KS rows; warp w takes the k-blocks
 // of split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the
