@@ -157,6 +157,37 @@ const BATCH_CTX: usize = 512;
 /// Batch sizes of the batched decode table.
 const BATCHES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
 
+/// Median over `repeats` runs (after one to warm up: buffers, modules, graphs) of 8 batched steps of the first `b`
+/// sequences at `ctx` tokens each, in ms a step.
+fn step_ms(
+    m: &crate::model::DeviceModel,
+    seqs: &mut [crate::seq::DeviceState],
+    b: usize,
+    ctx: usize,
+    ids: &[u32],
+    want: &[crate::batch::RowWant],
+    repeats: usize,
+) -> Result<f64> {
+    let g = &m.gpu;
+    let fl = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let mut times = Vec::new();
+    for rep in 0..=repeats {
+        let mut refs: Vec<&mut crate::seq::DeviceState> = seqs.iter_mut().take(b).collect();
+        for s in refs.iter_mut() {
+            s.set_len(g, ctx)?;
+        }
+        let a = g.stream.record_event(fl)?;
+        for _ in 0..8 {
+            m.decode_seqs(&mut refs, ids, want)?;
+        }
+        let z = g.stream.record_event(fl)?;
+        if rep > 0 {
+            times.push(a.elapsed_ms(&z)? as f64 / 8.0);
+        }
+    }
+    Ok(median(&mut times))
+}
+
 /// Batched decode (`DeviceModel::decode_seqs`, one token for each of B sequences per step) at `ctx` tokens of context
 /// each: median step time over `repeats` runs of 8 steps, tokens/s = B / step, beside the bandwidth ceiling of a step
 /// (the non-expert weights and lm_head once, the distinct experts the B tokens route to — expected for uniform
@@ -212,22 +243,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
         for ((want, graphs), ms) in [(&greedy, true), (&sampled, true), (&greedy, false)].into_iter().zip(ms.iter_mut())
         {
             buffers(m)?.graphs = graphs;
-            let mut times = Vec::new();
-            for rep in 0..=repeats {
-                let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
-                for s in refs.iter_mut() {
-                    s.set_len(&g, ctx)?;
-                }
-                let a = g.stream.record_event(fl)?;
-                for _ in 0..8 {
-                    m.decode_seqs(&mut refs, &ids, want)?;
-                }
-                let z = g.stream.record_event(fl)?;
-                if rep > 0 {
-                    times.push(a.elapsed_ms(&z)? as f64 / 8.0); // the first run warms up (buffers, modules)
-                }
-            }
-            *ms = median(&mut times);
+            *ms = step_ms(m, &mut seqs, b, ctx, &ids, want, repeats)?;
         }
         let distinct = e as f64 * (1.0 - (1.0 - k as f64 / e as f64).powi(b as i32));
         let bytes = dense as f64 + layers as f64 * distinct * expert as f64 + b as f64 * (gdn_state + kv) as f64;
@@ -252,22 +268,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
         for (ring, ms) in [false, true].into_iter().zip(ms.iter_mut()) {
             g.moe_ring.store(ring, std::sync::atomic::Ordering::Relaxed);
             buffers(m)?.seqs = None;
-            let mut times = Vec::new();
-            for rep in 0..=repeats {
-                let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
-                for s in refs.iter_mut() {
-                    s.set_len(&g, ctx)?;
-                }
-                let a = g.stream.record_event(fl)?;
-                for _ in 0..8 {
-                    m.decode_seqs(&mut refs, &ids, &want)?;
-                }
-                let z = g.stream.record_event(fl)?;
-                if rep > 0 {
-                    times.push(a.elapsed_ms(&z)? as f64 / 8.0);
-                }
-            }
-            *ms = median(&mut times);
+            *ms = step_ms(m, &mut seqs, b, ctx, &ids, &want, repeats)?;
         }
         ab.push(format!("B = {b}: {:.3} -> {:.3} ms", ms[0], ms[1]));
     }

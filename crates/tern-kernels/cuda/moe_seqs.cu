@@ -238,6 +238,35 @@ __device__ __forceinline__ void copy_scales(const __nv_bfloat16* __restrict__ s,
     cp_async_commit();
 }
 
+// One item's k-block on tensor cores, shared by rows_mma and rows_ring: tot (+)= s (C - 128 X) + b X for rows g, g + 8
+// (tot[0..1] and [2..3]) and the lane's tokens 2c, 2c + 1, where C = sum (128 + q) x over the k-block's W words of each
+// row (w0s: row g, w1s: row g + 8; x the staged activations of those words), X = xsm (the tokens' sums), s0 / s1
+// and the raw biases c0 / c1 the group's scale and bias of rows g / g + 8. Two accumulators: the mma chains of a
+// k-block are half as long.
+template <int W>
+__device__ __forceinline__ void kblock_mma(const uint32_t (&w0s)[W], const uint32_t (&w1s)[W], const uint4 (&x)[W],
+                                           float2 xsm, float s0, float s1, float c0, float c1, uint32_t mask,
+                                           uint32_t hi, float (&tot)[4]) {
+    float cb[4] = {0.f, 0.f, 0.f, 0.f}, cb2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+        const uint32_t w0 = w0s[i], w1 = w1s[i];
+        const uint32_t a0[4] = {q4_pair(w0, 0, mask, hi), q4_pair(w1, 0, mask, hi), q4_pair(w0, 1, mask, hi),
+                                q4_pair(w1, 1, mask, hi)};
+        mma_bf16(cb, a0, x[i].x, x[i].y);
+        const uint32_t a1[4] = {q4_pair(w0, 2, mask, hi), q4_pair(w1, 2, mask, hi), q4_pair(w0, 3, mask, hi),
+                                q4_pair(w1, 3, mask, hi)};
+        mma_bf16(cb2, a1, x[i].z, x[i].w);
+    }
+#pragma unroll
+    for (int v = 0; v < 4; v++) cb[v] += cb2[v];
+    const float b0 = fmaf(-128.f, s0, c0), b1 = fmaf(-128.f, s1, c1);
+    tot[0] = fmaf(s0, cb[0], fmaf(b0, xsm.x, tot[0]));
+    tot[1] = fmaf(s0, cb[1], fmaf(b0, xsm.y, tot[1]));
+    tot[2] = fmaf(s1, cb[2], fmaf(b1, xsm.x, tot[2]));
+    tot[3] = fmaf(s1, cb[3], fmaf(b1, xsm.y, tot[3]));
+}
+
 // tot[r][0..3] = (row g, tokens 2c, 2c+1), (row g + 8, tokens 2c, 2c+1) of item r: the products of the lane's rows
 // with the staged tokens, over nk k-blocks (columns of tokens >= nt are not meaningful). `stage` runs once the
 // first k-blocks are in flight (it stages xs/xsum and ends with a barrier).
@@ -300,27 +329,9 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
                 const float2 xsm = *reinterpret_cast<const float2*>(xsum + kb * MM_TG + 2 * c);
 #pragma unroll
                 for (int r = 0; r < MM_R; r++) {
-                    // two accumulators: the mma chains of a k-block are half as long
-                    float cb[4] = {0.f, 0.f, 0.f, 0.f}, cb2[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int i = 0; i < W; i++) {
-                        const uint32_t w0 = buf[u].w[r][0][i], w1 = buf[u].w[r][1][i];
-                        const uint32_t a0[4] = {q4_pair(w0, 0, mask, hi), q4_pair(w1, 0, mask, hi),
-                                                q4_pair(w0, 1, mask, hi), q4_pair(w1, 1, mask, hi)};
-                        mma_bf16(cb, a0, x[i].x, x[i].y);
-                        const uint32_t a1[4] = {q4_pair(w0, 2, mask, hi), q4_pair(w1, 2, mask, hi),
-                                                q4_pair(w0, 3, mask, hi), q4_pair(w1, 3, mask, hi)};
-                        mma_bf16(cb2, a1, x[i].z, x[i].w);
-                    }
-#pragma unroll
-                    for (int v = 0; v < 4; v++) cb[v] += cb2[v];
                     const int gi = (kb * W) >> gshift;
-                    const float s0 = bf(sp[r][0][gi]), s1 = bf(sp[r][1][gi]);
-                    const float b0 = fmaf(-128.f, s0, bf(sp[r][2][gi])), b1 = fmaf(-128.f, s1, bf(sp[r][3][gi]));
-                    tot[r][0] = fmaf(s0, cb[0], fmaf(b0, xsm.x, tot[r][0]));
-                    tot[r][1] = fmaf(s0, cb[1], fmaf(b0, xsm.y, tot[r][1]));
-                    tot[r][2] = fmaf(s1, cb[2], fmaf(b1, xsm.x, tot[r][2]));
-                    tot[r][3] = fmaf(s1, cb[3], fmaf(b1, xsm.y, tot[r][3]));
+                    kblock_mma<W>(buf[u].w[r][0], buf[u].w[r][1], x, xsm, bf(sp[r][0][gi]), bf(sp[r][1][gi]),
+                                  bf(sp[r][2][gi]), bf(sp[r][3][gi]), mask, hi, tot[r]);
                 }
                 if (kb + MM_PF < nk) load(buf[u]);  // k-block kb + MM_PF
             }
@@ -603,30 +614,13 @@ __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, 
                 for (int r = 0; r < R; r++) {
                     const uint2 wl = lds64(slot + r * 2048 + woff), wh = lds64(slot + r * 2048 + 1024 + woff);
                     const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
-                    float cb[4] = {0.f, 0.f, 0.f, 0.f}, cb2[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int i = 0; i < 2; i++) {
-                        const uint32_t w0 = w0s[i], w1 = w1s[i];
-                        const uint32_t a0[4] = {q4_pair(w0, 0, mask, hi), q4_pair(w1, 0, mask, hi),
-                                                q4_pair(w0, 1, mask, hi), q4_pair(w1, 1, mask, hi)};
-                        mma_bf16(cb, a0, x[i].x, x[i].y);
-                        const uint32_t a1[4] = {q4_pair(w0, 2, mask, hi), q4_pair(w1, 2, mask, hi),
-                                                q4_pair(w0, 3, mask, hi), q4_pair(w1, 3, mask, hi)};
-                        mma_bf16(cb2, a1, x[i].z, x[i].w);
-                    }
-#pragma unroll
-                    for (int v = 0; v < 4; v++) cb[v] += cb2[v];
-                    // group kbl's scale and bias of rows g and g + 8 (bf16 in the low or high half)
-                    const uint32_t s0w = kbl < 2 ? sv[r][0].x : sv[r][0].y, s1w = kbl < 2 ? sv[r][1].x : sv[r][1].y;
-                    const uint32_t b0w = kbl < 2 ? bv[r][0].x : bv[r][0].y, b1w = kbl < 2 ? bv[r][1].x : bv[r][1].y;
-                    const float s0 = __uint_as_float((kbl & 1) ? s0w & 0xffff0000u : s0w << 16);
-                    const float s1 = __uint_as_float((kbl & 1) ? s1w & 0xffff0000u : s1w << 16);
-                    const float b0 = fmaf(-128.f, s0, __uint_as_float((kbl & 1) ? b0w & 0xffff0000u : b0w << 16));
-                    const float b1 = fmaf(-128.f, s1, __uint_as_float((kbl & 1) ? b1w & 0xffff0000u : b1w << 16));
-                    tot[r][0] = fmaf(s0, cb[0], fmaf(b0, xsm.x, tot[r][0]));
-                    tot[r][1] = fmaf(s0, cb[1], fmaf(b0, xsm.y, tot[r][1]));
-                    tot[r][2] = fmaf(s1, cb[2], fmaf(b1, xsm.x, tot[r][2]));
-                    tot[r][3] = fmaf(s1, cb[3], fmaf(b1, xsm.y, tot[r][3]));
+                    // group kbl's scale and bias of rows g and g + 8 (bf16 in the low or high half of a pair)
+                    auto half = [&](const uint2& v) {
+                        const uint32_t p = kbl < 2 ? v.x : v.y;
+                        return __uint_as_float((kbl & 1) ? p & 0xffff0000u : p << 16);
+                    };
+                    kblock_mma<2>(w0s, w1s, x, xsm, half(sv[r][0]), half(sv[r][1]), half(bv[r][0]), half(bv[r][1]),
+                                  mask, hi, tot[r]);
                 }
             }
             if (cc == nc - 1) {
