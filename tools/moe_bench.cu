@@ -230,10 +230,11 @@ static int ring_smem(int cols, int tgs) {
     return ((cols / 8 * tgs * 16 + cols / 64 * tgs * 4 + 127) & ~127) + RING_NW * RING_S * RING_SLOT;
 }
 
+// Both kinds of each projection take the same arguments (the ring kernels ignore gshift).
 typedef void (*GuKernel)(const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*, long, long, int, int, int, int,
-                         const float*, const int*, const int*, const int*, __nv_bfloat16*, int);
+                         int, const float*, const int*, const int*, const int*, __nv_bfloat16*, int);
 typedef void (*DnKernel)(const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*, long, long, int, int, int, int,
-                         const __nv_bfloat16*, int, const int*, const int*, float*);
+                         int, const __nv_bfloat16*, int, const int*, const int*, float*);
 
 int main() {
     cudaDeviceProp prop;
@@ -270,9 +271,9 @@ int main() {
     CK(cudaMalloc(&g_sink, 4));
     const GuKernel gu_ring[2] = {moe_gate_up_ring_t4, moe_gate_up_ring_t8};
     const DnKernel dn_ring[2] = {moe_down_ring_t4, moe_down_ring_t8};
-    for (auto k : {(GuKernel)moe_gate_up_seqs_w2, gu_ring[0], gu_ring[1]})
+    for (auto k : {moe_gate_up_seqs_w2, gu_ring[0], gu_ring[1]})
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024));
-    for (auto k : {(DnKernel)moe_down_seqs_w2, dn_ring[0], dn_ring[1]})
+    for (auto k : {moe_down_seqs_w2, dn_ring[0], dn_ring[1]})
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024));
     CK(cudaDeviceSynchronize());
     int bad = 0;
@@ -299,12 +300,12 @@ int main() {
             auto gu_r = [&](cudaStream_t st, int li) {
                 const Layer& L = g_layers[li];
                 gu_ring[tg]<<<dim3(I / 64, d.ntiles), 128, ring_smem(H, tile), st>>>(
-                    L.gw, L.gs, L.gb, GU_WORDS, GU_GROUPS, E, I, IS, H, g_xn, d.ntile, d.tiles, d.rowmap, g_act, I);
+                    L.gw, L.gs, L.gb, GU_WORDS, GU_GROUPS, E, I, IS, H, 1, g_xn, d.ntile, d.tiles, d.rowmap, g_act, I);
             };
             auto dn_r = [&](cudaStream_t st, int li) {
                 const Layer& L = g_layers[li];
                 dn_ring[tg]<<<dim3(H / 256, d.ntiles), 128, ring_smem(I, tile), st>>>(
-                    L.dw, L.ds, L.db, DN_WORDS, DN_GROUPS, E, I, IS, H, g_act_ref, I, d.ntile, d.tiles, g_y);
+                    L.dw, L.ds, L.db, DN_WORDS, DN_GROUPS, E, I, IS, H, 1, g_act_ref, I, d.ntile, d.tiles, g_y);
             };
             printf("B=%d, tiles of %d: %d distinct experts (with the shared one), %d tiles; gate|up %.1f MB, down %.1f MB\n",
                    n, tile, distinct, d.ntiles, gbytes / 1e6, dbytes / 1e6);

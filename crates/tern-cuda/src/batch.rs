@@ -823,44 +823,31 @@ impl Gpu {
         ensure!(xn.len() >= sorted.n * h && act.len() >= pairs * imax, "moe_gate_up_seqs: buffers");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
-        if self.ring_fits(gu.gs, &[h, i, is]) {
-            let (tgs, f) = match sorted.tile <= 4 {
-                true => (4, &self.f.moe_gate_up_ring_t4),
-                false => (8, &self.f.moe_gate_up_ring_t8),
-            };
-            let smem = ring_smem(h, tgs);
-            ensure!(smem <= SMEM_MAX, "moe_gate_up_seqs: hidden size {h} needs {smem} bytes of shared memory");
-            let (words, groups) = (gu.words as i64, gu.groups as i64);
-            let v = [n_experts, i, is, h].map(|v| v as i32);
-            let ld = imax as i32;
-            let mut l = self.launcher(f);
-            l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
-            l.arg(xn).arg(&sorted.ntile).arg(&sorted.tiles).arg(&sorted.rowmap).arg(&*act).arg(&ld);
-            let grid = (imax.div_ceil(MM_J) as u32, sorted.max_tiles as u32);
-            // SAFETY: matches moe_gate_up_ring_t{4,8} (moe_seqs.cu); tiles from moe_align over `sorted` (see below:
-            // expert ids inside the buffers, pairs < rows of act, rowmap < n rows of xn); group size 64 and H, I, Is
-            // multiples of 256 (ring_fits): whole chunks of 128 bytes a row, 16-byte aligned rows and 8-byte aligned
-            // scale rows; an item past n clamps its rows to n - 8 (n >= 256); tiles of more than TGS pairs take
-            // several passes; shared memory as laid out there (ring_smem, checked against the opt-in limit).
-            unsafe { l.launch(cfg(grid, 128, smem)) }?;
-            return Ok(());
-        }
-        let glog = log2_exact(gu.gs, "moe_gate_up_seqs: group size")? - 5;
-        let smem = mma_smem(h, w, h / gu.gs, 1);
+        // the ring kernels where the shapes allow (the same products bit for bit), else the register-streamed ones;
+        // both take the same arguments
+        let (f, smem) = match (self.ring_fits(gu.gs, &[h, i, is]), sorted.tile <= 4, w) {
+            (true, true, _) => (&self.f.moe_gate_up_ring_t4, ring_smem(h, 4)),
+            (true, false, _) => (&self.f.moe_gate_up_ring_t8, ring_smem(h, 8)),
+            (false, _, 2) => (&self.f.moe_gate_up_seqs_w2, mma_smem(h, w, h / gu.gs, 1)),
+            (false, _, _) => (&self.f.moe_gate_up_seqs_w1, mma_smem(h, w, h / gu.gs, 1)),
+        };
         ensure!(smem <= SMEM_MAX, "moe_gate_up_seqs: hidden size {h} needs {smem} bytes of shared memory");
+        let glog = log2_exact(gu.gs, "moe_gate_up_seqs: group size")? - 5;
         let (words, groups) = (gu.words as i64, gu.groups as i64);
         let v = [n_experts, i, is, h].map(|v| v as i32);
         let ld = imax as i32;
-        let f = if w == 2 { &self.f.moe_gate_up_seqs_w2 } else { &self.f.moe_gate_up_seqs_w1 };
         let mut l = self.launcher(f);
         l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
         l.arg(&glog).arg(xn).arg(&sorted.ntile).arg(&sorted.tiles).arg(&sorted.rowmap).arg(&*act).arg(&ld);
         let grid = (imax.div_ceil(MM_J) as u32, sorted.max_tiles as u32);
-        // SAFETY: matches moe_gate_up_seqs_w{1,2} (moe_seqs.cu); the tiles come from moe_align over `sorted`'s n, k
-        // and experts: expert ids <= n_experts (the shared one last, inside the buffer, checked), pairs < n*(k+1)
-        // rows of act, rowmap entries < n rows of xn; H a multiple of 32 W and of the group size (so of 32 W), the
-        // inner sizes multiples of 8 (an item past n clamps its rows); blocks past *ntile or the expert's rows exit;
-        // shared memory as laid out there (checked against the opt-in limit).
+        // SAFETY: matches moe_gate_up_seqs_w{1,2} and moe_gate_up_ring_t{4,8} (moe_seqs.cu; 64 j a block each); the
+        // tiles come from moe_align over `sorted`'s n, k and experts: expert ids <= n_experts (the shared one last,
+        // inside the buffer, checked), pairs < n*(k+1) rows of act, rowmap entries < n rows of xn; H a multiple of
+        // 32 W and of the group size (so of 32 W), the inner sizes multiples of 8 (an item past n clamps its rows);
+        // the ring kernels only for group size 64 and H, I, Is multiples of 256 (ring_fits: whole 128-byte chunks
+        // of each row, 16-byte aligned rows, 8-byte aligned scale rows); tiles of more pairs than a kernel's token
+        // slots take several passes; blocks past *ntile or the expert's rows exit; shared memory as laid out there
+        // (checked against the opt-in limit).
         unsafe { l.launch(cfg(grid, 128, smem)) }?;
         Ok(())
     }
@@ -896,42 +883,26 @@ impl Gpu {
         ensure!(act.len() >= pairs * imax && ybuf.len() >= pairs * h, "moe_down_seqs: buffers");
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");
-        if self.ring_fits(down.gs, &[h, i, is]) {
-            let (tgs, f) = match sorted.tile <= 4 {
-                true => (4, &self.f.moe_down_ring_t4),
-                false => (8, &self.f.moe_down_ring_t8),
-            };
-            let smem = ring_smem(imax, tgs);
-            ensure!(smem <= SMEM_MAX, "moe_down_seqs: inner size {imax} needs {smem} bytes of shared memory");
-            let (words, groups) = (down.words as i64, down.groups as i64);
-            let v = [n_experts, i, is, h].map(|v| v as i32);
-            let ld = imax as i32;
-            let mut l = self.launcher(f);
-            l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]);
-            l.arg(&v[3]).arg(act).arg(&ld).arg(&sorted.ntile).arg(&sorted.tiles).arg(&*ybuf);
-            let grid = (h.div_ceil(RING_DOWN_ROWS) as u32, sorted.max_tiles as u32);
-            // SAFETY: matches moe_down_ring_t{4,8} (moe_seqs.cu); tiles from moe_align over `sorted`: pairs < rows of
-            // act and ybuf, expert ids inside the buffers; group size 64 and H, I, Is multiples of 256 (ring_fits):
-            // whole 128-byte chunks of each row, aligned rows; an item past H clamps its rows to H - 16; each expert's
-            // inner size <= imax = act's row stride; shared memory sized for imax (ring_smem, checked).
-            unsafe { l.launch(cfg(grid, 128, smem)) }?;
-            return Ok(());
-        }
-        let glog = log2_exact(down.gs, "moe_down_seqs: group size")? - 5;
-        let smem = mma_smem(imax, w, imax / down.gs, 1);
+        let (f, smem, rows) = match (self.ring_fits(down.gs, &[h, i, is]), sorted.tile <= 4, w) {
+            (true, true, _) => (&self.f.moe_down_ring_t4, ring_smem(imax, 4), RING_DOWN_ROWS),
+            (true, false, _) => (&self.f.moe_down_ring_t8, ring_smem(imax, 8), RING_DOWN_ROWS),
+            (false, _, 2) => (&self.f.moe_down_seqs_w2, mma_smem(imax, w, imax / down.gs, 1), MM_ROWS),
+            (false, _, _) => (&self.f.moe_down_seqs_w1, mma_smem(imax, w, imax / down.gs, 1), MM_ROWS),
+        };
         ensure!(smem <= SMEM_MAX, "moe_down_seqs: inner size {imax} needs {smem} bytes of shared memory");
+        let glog = log2_exact(down.gs, "moe_down_seqs: group size")? - 5;
         let (words, groups) = (down.words as i64, down.groups as i64);
         let v = [n_experts, i, is, h].map(|v| v as i32);
         let ld = imax as i32;
-        let f = if w == 2 { &self.f.moe_down_seqs_w2 } else { &self.f.moe_down_seqs_w1 };
         let mut l = self.launcher(f);
         l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]);
         l.arg(&v[3]).arg(&glog).arg(act).arg(&ld).arg(&sorted.ntile).arg(&sorted.tiles).arg(&*ybuf);
-        let grid = (h.div_ceil(MM_ROWS) as u32, sorted.max_tiles as u32);
-        // SAFETY: matches moe_down_seqs_w{1,2} (moe_seqs.cu); tiles from moe_align (see moe_gate_up_seqs): pairs <
-        // rows of act and ybuf, expert ids inside the buffer; each expert's inner size (I or Is) <= imax = act's row
-        // stride and a multiple of the group size (so of 32 W); h a multiple of 16 (an item past h clamps its rows);
-        // shared memory sized for imax (checked against the opt-in limit).
+        let grid = (h.div_ceil(rows) as u32, sorted.max_tiles as u32);
+        // SAFETY: matches moe_down_seqs_w{1,2} (128 rows a block) and moe_down_ring_t{4,8} (256) (moe_seqs.cu);
+        // tiles from moe_align (see moe_gate_up_seqs): pairs < rows of act and ybuf, expert ids inside the buffer;
+        // each expert's inner size (I or Is) <= imax = act's row stride and a multiple of the group size (so of 32 W);
+        // h a multiple of 16 (an item past h clamps its rows); the ring kernels only where ring_fits (see
+        // moe_gate_up_seqs); shared memory sized for imax (checked against the opt-in limit).
         unsafe { l.launch(cfg(grid, 128, smem)) }?;
         Ok(())
     }

@@ -79,8 +79,9 @@ pub(crate) fn log2_exact(v: usize, what: &str) -> Result<i32> {
 pub const STREAM_TILE: usize = 8;
 /// Pairs per tile of the streamed expert kernels in a pass of at most [`crate::batch::MAX_SEQS`] rows (a decode
 /// batch): most routed experts get 1-2 of its pairs, and the ring kernels' 4 token slots halve their staged
-/// activations (shared memory: 4 blocks a multiprocessor instead of 3). Measured on the H200 (tools/moe_bench.cu):
-/// gate|up at B = 8 / 32 / 64 29.7 / 73.4 / 100.0 us in tiles of 4 against 38.5 / 80.7 / 104.6 in tiles of 8.
+/// activations (shared memory: 4 blocks a multiprocessor instead of 3). Measured on the H200 (tools/moe_bench.cu, the
+/// ring kernels): gate|up at B = 8 / 32 / 64 29.1 / 69.5 / 94.1 us in tiles of 4 against 33.3 / 73.3 / 94.2 in tiles
+/// of 8, down 15.2 / 34.9 / 46.1 against 15.5 / 35.1 / 44.6.
 pub const STREAM_TILE_DECODE: usize = 4;
 
 /// The streamed expert kernels' tile for a pass of `n` rows.

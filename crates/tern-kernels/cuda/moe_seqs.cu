@@ -339,6 +339,24 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
     }
 }
 
+// The tile of this block's grid row (blockIdx.y) of moe_align's list, once the previous kernel has finished (the
+// list comes from moe_align, the activations from the kernel before): its expert e, first pair p0, pair count cnt and
+// the expert's inner size n (Is for the shared expert E, else I); false where the row is past the list's length.
+struct MoeTile {
+    int e, p0, cnt, n;
+};
+__device__ __forceinline__ bool moe_tile(const int* __restrict__ ntile, const int* __restrict__ tiles, int E, int I,
+                                         int Is, MoeTile& m) {
+    pdl_wait();
+    const int t = blockIdx.y;
+    if (t >= *ntile) return false;
+    m.e = tiles[3 * t];
+    m.p0 = tiles[3 * t + 1];
+    m.cnt = tiles[3 * t + 2];
+    m.n = m.e == E ? Is : I;
+    return true;
+}
+
 // act[p, j] = silu(G_e[j] . xn[rowmap[p]]) * (U_e[j] . xn[rowmap[p]]): item r of warp w is j in [j0 + 8 (w R + r),
 // +8): A rows 0-7 are its gate rows, 8-15 its up rows (rows n + j), so every lane holds a gate and its up.
 template <int W>
@@ -350,11 +368,9 @@ __device__ __forceinline__ void moe_gate_up_mma(const uint32_t* __restrict__ w, 
                                                 int ld) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    pdl_wait();  // the tile list comes from moe_align, xn from the post-norm
-    const int t = blockIdx.y;
-    if (t >= *ntile) return;
-    const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
-    const int n = e == E ? Is : I;
+    MoeTile tl;
+    if (!moe_tile(ntile, tiles, E, I, Is, tl)) return;
+    const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int j0 = blockIdx.x * (MM_WARPS * MM_R * 8);
     if (j0 >= n || cnt <= 0) return;
     const int nk = H / (32 * W), ng = H >> (gshift + 5), rw = H / 8;
@@ -408,11 +424,9 @@ __device__ __forceinline__ void moe_down_mma(const uint32_t* __restrict__ w, con
                                              float* __restrict__ ybuf) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    pdl_wait();  // the tile list comes from moe_align, act from moe_gate_up_seqs
-    const int t = blockIdx.y;
-    if (t >= *ntile) return;
-    const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
-    const int n = e == E ? Is : I;
+    MoeTile tl;
+    if (!moe_tile(ntile, tiles, E, I, Is, tl)) return;
+    const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int r0 = blockIdx.x * (MM_WARPS * MM_R * 16);
     if (r0 >= H || cnt <= 0) return;
     const int nk = n / (32 * W), ng = n >> (gshift + 5), rw = n / 8;
@@ -499,10 +513,11 @@ MOE_MMA(2)
 // moe_down_ring_t{TGS}  as moe_down_seqs_w2: block (x, y) = tile y, rows [256 x, +256) of H: warp w takes items
 //                   (s 4 + w) 2 + r (16 rows each) for sets s = 0, 1, streamed as one run of chunks. Shared memory:
 //                   xs [Imax / 8 * TGS] | xsum [Imax / 64][TGS] (to 128 bytes) | 4 rings.
-// Measured alone (tools/moe_bench.cu, H200, one layer, uniform routing, B = 1 / 8 / 32 / 64): gate|up 15.1 / 37.2 /
-// 82.7 / 107.8 -> 10.2 / 29.7 / 73.4 / 100.0 us (T4), down 6.6 / 19.7 / 47.3 / 60.1 -> 6.3 / 15.8 / 36.0 / 46.2 us
-// (T8). Requirements (host): group size 64, H and the inner sizes multiples of 256, tiles of at most TGS pairs
-// (or more: then passes of TGS, each streaming the rows again).
+// Measured alone (tools/moe_bench.cu, H200, one layer, uniform routing, B = 1 / 8 / 32 / 64, tiles of 4): gate|up
+// 15.3 / 33.6 / 80.8 / 110.9 -> 10.5 / 29.1 / 69.5 / 94.1 us, down 6.4 / 19.4 / 47.1 / 62.2 -> 5.9 / 15.2 / 34.9 / 46.1 us.
+// Requirements (host): group size 64, H and the inner sizes multiples of 256, tiles of at most TGS pairs
+// (or more: then passes of TGS, each streaming the rows again). They take the register-streamed kernels' arguments,
+// gshift included (always 1 here), so that the host launches either with one argument list.
 #define RING_R 2      // items per warp, computed together
 #define RING_S 2      // stages per warp ring
 #define RING_NW 4     // warps per block
@@ -646,11 +661,9 @@ __device__ __forceinline__ void moe_gate_up_ring(const uint32_t* __restrict__ w,
     constexpr int JB = RING_NW * RING_R * 8;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    pdl_wait();  // the tile list comes from moe_align, xn from the post-norm
-    const int t = blockIdx.y;
-    if (t >= *ntile) return;
-    const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
-    const int n = e == E ? Is : I;
+    MoeTile tl;
+    if (!moe_tile(ntile, tiles, E, I, Is, tl)) return;
+    const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int j0 = blockIdx.x * JB;
     if (j0 >= n || cnt <= 0) return;
     uint4* xs = reinterpret_cast<uint4*>(smem);
@@ -695,11 +708,9 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
     constexpr int SETS = 2, RB = RING_NW * RING_R * 16 * SETS;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    pdl_wait();  // the tile list comes from moe_align, act from the gate|up kernel
-    const int t = blockIdx.y;
-    if (t >= *ntile) return;
-    const int e = tiles[3 * t], p0 = tiles[3 * t + 1], cnt = tiles[3 * t + 2];
-    const int n = e == E ? Is : I;
+    MoeTile tl;
+    if (!moe_tile(ntile, tiles, E, I, Is, tl)) return;
+    const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int r0 = blockIdx.x * RB;
     if (r0 >= H || cnt <= 0) return;
     const int imax = I > Is ? I : Is;
@@ -741,14 +752,14 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
 #define MOE_RING(TGS, MINB)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128, MINB) moe_gate_up_ring_t##TGS(                               \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
-        int Is, int H, const float* xn, const int* ntile, const int* tiles, const int* rowmap, __nv_bfloat16* act, \
-        int ld) {                                                                                                \
+        int Is, int H, int, const float* xn, const int* ntile, const int* tiles, const int* rowmap,               \
+        __nv_bfloat16* act, int ld) {                                                                            \
         KTRACE(43);                                                                                              \
         moe_gate_up_ring<TGS>(w, s, b, words, groups, E, I, Is, H, xn, ntile, tiles, rowmap, act, ld);           \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128, 4) moe_down_ring_t##TGS(                                     \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
-        int Is, int H, const __nv_bfloat16* act, int ld, const int* ntile, const int* tiles, float* ybuf) {      \
+        int Is, int H, int, const __nv_bfloat16* act, int ld, const int* ntile, const int* tiles, float* ybuf) { \
         KTRACE(44);                                                                                              \
         moe_down_ring<TGS>(w, s, b, words, groups, E, I, Is, H, act, ld, ntile, tiles, ybuf);                    \
     }
