@@ -353,23 +353,26 @@ impl DeviceModel {
         g.embed_rows_dev(&self.embed, &sc.ids, n, &mut sc.x)?;
         for (li, l) in self.layers.iter().enumerate() {
             let (ta, tb) = (sq.tab_a.slice(li * n..(li + 1) * n), sq.tab_b.slice(li * n..(li + 1) * n));
-            mark("rmsnorm")?;
-            g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
+            if li == 0 {
+                // later layers' input norms and the final norm go with the combine before them (moe_rows)
+                mark("rmsnorm")?;
+                g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
+            }
             match &l.mixer {
                 DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
                     let ldp = proj.rows;
                     mark("gdn_in_proj (dense)")?;
-                    g.dense_seqs(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    g.dense_step(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     mark("gdn_step_seqs")?;
                     let st = (&ta, &tb, &sq.posv);
                     g.gdn_step_seqs(&sc.proj, ldp, conv, a_log, dt_bias, st, n, norm, eps, d, &mut sc.xb)?;
                     mark("gdn_out_proj (dense)")?;
-                    g.dense_seqs(out, &sc.xb, n, &mut sc.x, h, true)?;
+                    g.dense_step(out, &sc.xb, n, &mut sc.x, h, true)?;
                 }
                 DMixer::Attn { qkv, o, qn, kn } => {
                     let ldp = qkv.rows;
                     mark("attn_qkv (dense)")?;
-                    g.dense_seqs(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    g.dense_step(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
                     let kv = (&ta, &tb, &sq.posv);
                     mark("attn_seqs (prep+decode+combine)")?;
@@ -377,7 +380,7 @@ impl DeviceModel {
                     g.attn_decode_seqs(&sq.qbuf, kv, n, (nh, nkv, hd), ns, &mut sq.part)?;
                     g.attn_combine_seqs(&sq.part, &sc.proj, ldp, n, nh, hd, ns, &mut sc.xb)?;
                     mark("attn_o_proj (dense)")?;
-                    g.dense_seqs(o, &sc.xb, n, &mut sc.x, h, true)?;
+                    g.dense_step(o, &sc.xb, n, &mut sc.x, h, true)?;
                 }
             }
             let how = match streamed {
@@ -389,11 +392,11 @@ impl DeviceModel {
                 Some(StepRoutes::Hold(held)) => Some(Routes::Hold(&held[li])),
                 None => None,
             };
-            moe_rows(self, li, sc, n, how, held, mark)?;
+            let next = self.layers.get(li + 1).map_or(&self.norm, |l| &l.in_norm);
+            moe_rows(self, li, sc, n, how, held, Some(next), mark)?;
         }
         mark("lm_head (dense) + sample")?;
-        g.rmsnorm_rows(&sc.x, n, &self.norm, eps, &mut sc.xb, None)?;
-        g.dense_seqs(&self.lm_head, &sc.xb, n, &mut sq.logits, c.vocab_size, false)
+        g.dense_step(&self.lm_head, &sc.xb, n, &mut sq.logits, c.vocab_size, false)
     }
 }
 
@@ -471,7 +474,9 @@ impl DeviceModel {
         g.embed_rows(&self.embed, &all, &mut sc.ids, &mut sc.x)?;
         let mut no_mark = |_: &'static str| Ok(());
         for (li, l) in self.layers.iter().enumerate() {
-            g.rmsnorm_rows(&sc.x, total, &l.in_norm, eps, &mut sc.xb, None)?;
+            if li == 0 {
+                g.rmsnorm_rows(&sc.x, total, &l.in_norm, eps, &mut sc.xb, None)?;
+            }
             let (ldp, out_cols) = match &l.mixer {
                 DMixer::Gdn { proj, out, .. } => (proj.rows, out.cols),
                 DMixer::Attn { qkv, o, .. } => (qkv.rows, o.cols),
@@ -510,7 +515,8 @@ impl DeviceModel {
                 DMixer::Attn { o, .. } => o,
             };
             g.gemm_q4(out_mat, &sc.xb, total, &mut sc.x, h, true)?;
-            moe_rows(self, li, sc, total, self.prefill_experts(total), None, &mut no_mark)?;
+            let next = self.layers.get(li + 1).map(|l| &l.in_norm);
+            moe_rows(self, li, sc, total, self.prefill_experts(total), None, next, &mut no_mark)?;
         }
         for (r, k) in chunks.iter().map(|c| c.len()).enumerate() {
             let last = starts[r] + k - 1;
@@ -605,19 +611,26 @@ impl Gpu {
         ensure!(conv_w.len() == conv_dim * d.taps && a_log.len() >= d.hv && dt_bias.len() >= d.hv, "gdn_step_seqs");
         ensure!(norm.len() >= d.dv && out.len() >= n * vd, "gdn_step_seqs: norm / out");
         ensure!(rings.len() >= n && states.len() >= n && posv.len() >= n, "gdn_step_seqs: tables");
-        let smem = d.dk * d.dv * 4;
-        ensure!(smem <= SMEM_MAX, "gdn_step_seqs: a head's state of {smem} bytes is over the shared memory limit");
-        let v = [ldp, vd, d.hk, d.hv, d.dk, d.dv, d.taps].map(|v| v as i32);
-        let threads = 128 * d.dv.div_ceil(32) as u32;
+        // a head's value columns in blocks of 64 (whole 32-column chunks of the head, so that the chunk sums keep
+        // gdn_step's order), or one block for a head of at most 64
+        let parts = if d.dv % 64 == 0 { d.dv / 64 } else { 1 };
+        let dvp = d.dv / parts;
+        ensure!(dvp <= 64 && dvp % 4 == 0 && parts <= 8, "gdn_step_seqs: {} value columns a head", d.dv);
+        let smem = d.dk * dvp * 4;
+        ensure!(smem <= SMEM_MAX, "gdn_step_seqs: a block's state of {smem} bytes is over the shared memory limit");
+        let v = [ldp, vd, d.hk, d.hv, d.dk, d.dv, d.taps, parts].map(|v| v as i32);
+        let threads = 128 * dvp.div_ceil(32) as u32;
         let mut l = self.launcher(&self.f.gdn_step_seqs);
         l.arg(proj).arg(&v[0]).arg(conv_w).arg(rings).arg(a_log).arg(dt_bias).arg(states).arg(&*out).arg(&v[1]);
-        l.arg(posv).arg(norm).arg(&eps).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&v[6]);
-        // SAFETY: matches gdn_step_seqs in gdn.cu: grid (hv, n), 128 threads per 32 value columns (dv <= 256: at most
-        // 1024), the head's state in dynamic shared memory (dk * dv floats, checked against the opt-in limit; dv % 4
-        // == 0 for its 16-byte copies), dk <= 128 (its q/k arrays); proj holds n rows of stride ldp, out n rows of
-        // hv*dv; the tables hold n pointers to whole rings ([taps, conv_dim] f32) and states ([hv, dk, dv] f32) of
-        // live sequences (DeviceModel::decode_seqs builds them from the sequences' own buffers).
-        unsafe { l.launch(cfg((d.hv as u32, n as u32), threads, smem)) }?;
+        l.arg(posv).arg(norm).arg(&eps).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&v[6]).arg(&v[7]);
+        l.cluster = Some((parts as u32, 1, 1));
+        // SAFETY: matches gdn_step_seqs in gdn.cu: grid (hv * parts, n) in clusters of the parts (<= 8) of a head,
+        // 128 threads per 32 of a block's dvp <= 64 value columns (at most its 256), the block's columns of the
+        // head's state in dynamic shared memory (dk * dvp floats, checked against the opt-in limit; dvp % 4 == 0 for
+        // its 16-byte copies), dk <= 128 (its q/k arrays); proj holds n rows of stride ldp, out n rows of hv*dv; the
+        // tables hold n pointers to whole rings ([taps, conv_dim] f32) and states ([hv, dk, dv] f32) of live
+        // sequences (DeviceModel::decode_seqs builds them from the sequences' own buffers).
+        unsafe { l.launch(cfg(((d.hv * parts) as u32, n as u32), threads, smem)) }?;
         Ok(())
     }
 
@@ -742,6 +755,28 @@ impl Gpu {
         Ok(())
     }
 
+    /// The batched step's dense products: [`Gpu::dense_seqs`], or the prefill's [`Gpu::gemm_q4`] (weights
+    /// dequantised once per 128-token tile, rounded to bf16) for the lm_head at more than 32 rows, where dense_seqs'
+    /// 8-row tiles dequantise every weight n / 8 times. Measured on the H200 (tern bench): alone, us at n = 32 / 64,
+    /// lm_head 428 / 840 against 429 / 446; in the step (graph A/B) B = 48 / 64 12.77 / 15.16 -> 12.56 / 14.75 ms.
+    /// The other matrices stay with dense_seqs: with in_proj and q|k|v through the GEMM too (alone 43 against 36 us
+    /// at 64), the step at B = 48 was 2% slower (12.79 -> 13.06 ms) and at 64 only 1% faster.
+    pub fn dense_step(
+        &self,
+        m: &QMat,
+        x: &CudaSlice<u16>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+        ldy: usize,
+        add: bool,
+    ) -> Result<()> {
+        let gemm = self.dense_gemm.load(std::sync::atomic::Ordering::Relaxed);
+        match gemm && n > 32 && m.rows >= 65536 && m.cols <= 2048 {
+            true => self.gemm_q4(m, x, n, y, ldy, add),
+            false => self.dense_seqs(m, x, n, y, ldy, add),
+        }
+    }
+
     /// `y[t, r] (+)= W[r] · x[t]` for the `n` ≤ [`MAX_SEQS`] bf16 rows of `x` (`[n, cols]`) and a 4-bit matrix (the
     /// batched step's dense projections and lm_head) on tensor cores: exact 4-bit codes, f32 scale/bias arithmetic and
     /// accumulation, one block per 8 tokens and 128 rows (or 32 rows with the columns split over its warps, where
@@ -768,7 +803,7 @@ impl Gpu {
         let rb = MM_ROWS / ks;
         ensure!(m.rows.div_ceil(rb) <= 65535, "dense_seqs: {} rows is over the grid limit", m.rows);
         let groups = n.div_ceil(MM_TG) * m.rows.div_ceil(rb);
-        let kz = dense_split(groups, n, m.rows, m.cols, ks * 32 * w, ks * m.gs, self.sms as usize);
+        let kz = dense_split(groups, m.cols, ks * 32 * w, ks * m.gs, self.sms as usize);
         let smem = mma_smem(m.cols / kz, w, m.cols / m.gs, ks);
         ensure!(smem <= SMEM_MAX, "dense_seqs: {} columns need {smem} bytes of shared memory", m.cols);
         let gshift = log2_exact(m.gs, "dense_seqs: group size")? - 5;
@@ -781,7 +816,9 @@ impl Gpu {
         };
         let mut l = self.launcher(f);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(&gshift).arg(x).arg(&ni).arg(&*y).arg(&ld).arg(&a);
-        l.arg(&self.split_part).arg(&self.split_cnt);
+        if kz > 1 {
+            l.cluster = Some((1, 1, kz as u32));
+        }
         let mut lc = cfg((n.div_ceil(MM_TG) as u32, m.rows.div_ceil(rb) as u32), 128, smem);
         lc.grid_dim.2 = kz as u32;
         // SAFETY: matches dense_seqs_w{1,2}_k{1,4} (moe_seqs.cu); W is a whole 4-bit QMat (rows x cols/8 words,
@@ -789,9 +826,8 @@ impl Gpu {
         // and of the group size (>= 32 W), and for the split of 4 of 4 x 32 W and 4 x the group size, each of the
         // kz column ranges too (checked, dense_split); x holds n rows of cols bf16, y n rows of stride ldy >= rows
         // (check_dense); blocks past n tokens store nothing; shared memory as laid out there for cols / kz columns
-        // (checked against the opt-in limit); with kz > 1 the partial sums (kz n rows floats) and the counts (one
-        // per block of the (x, y) grid) fit the split buffers (dense_split), whose counts are zero between launches
-        // (the kernel's last block of each group resets its own).
+        // (checked against the opt-in limit); with kz > 1 (<= 8, dense_split) the kz blocks of one (x, y) are one
+        // cluster, as the kernel's sum over the ranges assumes.
         unsafe { l.launch(lc) }?;
         Ok(())
     }
@@ -908,19 +944,13 @@ impl Gpu {
     }
 }
 
-/// Column ranges dense_seqs splits a product over (grid z, `dense_mma` in moe_seqs.cu) where its `groups` blocks (of
-/// 4 warps) would leave the GPU mostly idle: the most of 1, 2, 4, 8 that keeps the blocks' warps within 8 a
-/// multiprocessor, each range a multiple of `unit` columns (32 W times the in-block split) and of `gunit` (the group
-/// size times it), and the partial sums and counts within the split buffers. 2,048-row matrices at B <= 8: 64 blocks,
-/// so 4 ways (each warp 4 k-blocks instead of 16).
-fn dense_split(groups: usize, n: usize, rows: usize, cols: usize, unit: usize, gunit: usize, sms: usize) -> usize {
-    let fits = |kz: usize| {
-        groups * 4 * kz <= 8 * sms
-            && cols % (kz * unit) == 0
-            && cols % (kz * gunit) == 0
-            && kz * n * rows <= crate::gpu::DENSE_SPLIT_PART
-            && groups <= crate::gpu::DENSE_SPLIT_CNT
-    };
+/// Column ranges dense_seqs splits a product over (grid z, one cluster: `dense_mma` in moe_seqs.cu) where its `groups`
+/// blocks (of 4 warps) would leave the GPU mostly idle: the most of 1, 2, 4, 8 (the portable cluster size) that keeps
+/// the blocks' warps within 8 a multiprocessor, each range a multiple of `unit` columns (32 W times the in-block
+/// split) and of `gunit` (the group size times it). 2,048-row matrices at B <= 8: 64 blocks, so 4 ways (each warp 4
+/// k-blocks instead of 16).
+fn dense_split(groups: usize, cols: usize, unit: usize, gunit: usize, sms: usize) -> usize {
+    let fits = |kz: usize| groups * 4 * kz <= 8 * sms && cols % (kz * unit) == 0 && cols % (kz * gunit) == 0;
     [8, 4, 2].into_iter().find(|&kz| fits(kz)).unwrap_or(1)
 }
 
@@ -936,11 +966,11 @@ fn mma_words(gs: usize, ks: &[usize]) -> usize {
 
 /// Shared memory of the streamed tensor-core kernels (experts and dense_seqs) for `k` columns with the columns split
 /// `ks` ways (1 for the experts): the staged bf16 tokens (16 bytes per 8 columns and token), their f32 sums per
-/// k-block, the block's 128 / ks rows of scales and biases (`ng` groups a row), and the splits' partial sums (`ks - 1`
-/// of 128 / ks rows x 8 tokens).
+/// k-block, the block's 128 / ks rows of scales and biases (`ng` groups a row), the splits' partial sums (`ks - 1`
+/// of 128 / ks rows x 8 tokens) and the block's sums (128 / ks rows x 8 tokens, for its cluster).
 fn mma_smem(k: usize, w: usize, ng: usize, ks: usize) -> usize {
     let rb = MM_ROWS / ks;
-    k * 16 + k / (32 * w) * MM_TG * 4 + 2 * rb * mma_scale_stride(ng) * 2 + (ks - 1) * rb * MM_TG * 4
+    k * 16 + k / (32 * w) * MM_TG * 4 + 2 * rb * mma_scale_stride(ng) * 2 + ks * rb * MM_TG * 4
 }
 
 /// Row stride of the kernels' shared copy of scales (`mma_scale_stride` in moe_seqs.cu).
@@ -974,23 +1004,21 @@ mod tests {
     use super::*;
 
     /// dense_seqs' column split (host side, no GPU): 4 / 2 / 1 ways for the 2,048-row matrices at 8 / 16 / 32 rows on
-    /// 132 multiprocessors, never more ways than the columns, the group size or the split buffers allow.
+    /// 132 multiprocessors, never more ways than the columns, the group size or a cluster (8) allow.
     #[test]
     fn dense_split_follows_the_idle_gpu_and_the_shapes() {
         // out_proj / o_proj: 2,048 x 4,096, group 64, W = 2, 4 column splits in the block (unit 256, gunit 256)
         let groups = |n: usize| n.div_ceil(MM_TG) * 2048usize.div_ceil(MM_ROWS / 4);
-        let split = |n: usize| dense_split(groups(n), n, 2048, 4096, 256, 256, 132);
+        let split = |n: usize| dense_split(groups(n), 4096, 256, 256, 132);
         assert_eq!([split(1), split(8), split(16), split(32), split(64)], [4, 4, 2, 1, 1]);
         // in_proj at 8 rows: 386 blocks already keep the GPU busy
-        assert_eq!(dense_split(386, 8, 12352, 2048, 256, 256, 132), 1);
+        assert_eq!(dense_split(386, 2048, 256, 256, 132), 1);
         // every way divides the columns into whole groups and k-blocks of each in-block split
         for (cols, unit, gunit) in [(4096, 256, 256), (2048, 128, 128), (512, 256, 512), (96, 32, 32)] {
-            let kz = dense_split(16, 2, 2048, cols, unit, gunit, 132);
+            let kz = dense_split(16, cols, unit, gunit, 132);
             assert!(cols % (kz * unit) == 0 && cols % (kz * gunit) == 0, "{cols} columns in {kz} ways");
         }
-        assert_eq!(dense_split(16, 2, 2048, 512, 256, 512, 132), 1); // a group of 128 x 4 splits: no room
-                                                                     // the partial sums must fit: KZ n rows floats
-        assert_eq!(dense_split(1, 64, crate::gpu::DENSE_SPLIT_PART / 64, 4096, 256, 256, 132), 1);
-        assert_eq!(dense_split(1, 64, crate::gpu::DENSE_SPLIT_PART / (64 * 8), 4096, 256, 256, 132), 8);
+        assert_eq!(dense_split(16, 512, 256, 512, 132), 1); // a group of 128 x 4 splits: no room
+        assert_eq!(dense_split(1, 1 << 16, 32, 32, 132), 8); // one block's worth: at most a cluster of 8
     }
 }

@@ -142,7 +142,7 @@ pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak
     }
     kernel_times(be, &mut seq.st, 32768.min(max_ctx - 2))?;
     drop(seq);
-    bench_batched(be, BATCH_CTX, repeats)?;
+    bench_batched(be, BATCH_CTX, repeats, trace)?;
     Ok(())
 }
 
@@ -193,7 +193,7 @@ fn step_ms(
 /// (the non-expert weights and lm_head once, the distinct experts the B tokens route to — expected for uniform
 /// routing, 1 - (1 - k/E)^B of them — once each, every sequence's GDN state read and written and its KV read, at 4.3
 /// TB/s); then per-kernel profiles of one step at 8 and 32 sequences.
-pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()> {
+pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) -> Result<()> {
     use crate::batch::{Draw, RowWant, MAX_SEQS};
     use crate::seq::DeviceState;
     let m = &be.model;
@@ -275,6 +275,23 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
     g.moe_ring.store(ring_was, std::sync::atomic::Ordering::Relaxed);
     buffers(m)?.seqs = None;
     println!("streamed experts, register-streamed -> ring kernels (ms a step): {}", ab.join(", "));
+    // the tall dense products above 32 rows through dense_seqs or the 128-row GEMM (Gpu::dense_step)
+    let gemm_was = g.dense_gemm.load(std::sync::atomic::Ordering::Relaxed);
+    let mut ab: Vec<String> = Vec::new();
+    for &b in [48usize, 64].iter().filter(|&&b| b <= bmax) {
+        let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+        let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
+        let mut ms = [0.0; 2];
+        for (gemm, ms) in [false, true].into_iter().zip(ms.iter_mut()) {
+            g.dense_gemm.store(gemm, std::sync::atomic::Ordering::Relaxed);
+            buffers(m)?.seqs = None;
+            *ms = step_ms(m, &mut seqs, b, ctx, &ids, &want, repeats)?;
+        }
+        ab.push(format!("B = {b}: {:.3} -> {:.3} ms", ms[0], ms[1]));
+    }
+    g.dense_gemm.store(gemm_was, std::sync::atomic::Ordering::Relaxed);
+    buffers(m)?.seqs = None;
+    println!("tall dense products, dense_seqs -> gemm_q4 (ms a step): {}", ab.join(", "));
     // per-kernel-family profiles of one step at 8 and 32 sequences, side by side
     let sizes: Vec<usize> = [8, 32].into_iter().filter(|&b| b <= bmax).collect();
     let mut profiles = Vec::new();
@@ -354,6 +371,29 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
             println!("  {name:<32} {}", v.join(" "));
         }
     }
+    dense_ab(m)?;
+    if trace {
+        for &b in &sizes {
+            let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+            let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
+            let mut step = || -> Result<()> {
+                let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+                for s in refs.iter_mut() {
+                    s.set_len(&g, ctx)?;
+                }
+                m.decode_seqs(&mut refs, &ids, &want)?;
+                Ok(())
+            };
+            step()?; // the graph of this size, captured untraced
+            g.stream.synchronize()?;
+            g.trace_enable(true)?;
+            step()?;
+            g.stream.synchronize()?;
+            g.trace_enable(false)?;
+            println!("trace of one batched step at {b} sequences (graph replay; us):");
+            print_batched_trace(&g.trace_read()?)?;
+        }
+    }
     let b = 32.min(bmax);
     let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
     // the first tokens of 32 users who send 80-token prompts at once: one prefill after another, or one pass
@@ -388,6 +428,39 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize) -> Result<()>
          one multi-sequence pass {all:.1} ms"
     );
     pool_costs(be, repeats)
+}
+
+/// The batched step's dense products alone (50 launches in one graph, us a launch): `dense_seqs` (8-token tiles,
+/// exact codes) against the prefill's `gemm_q4` (128-token tiles, weights dequantised once per tile) at n rows, for
+/// the first GDN and attention layer's matrices and the lm_head.
+fn dense_ab(m: &crate::model::DeviceModel) -> Result<()> {
+    let g = &m.gpu;
+    let gdn = m.layers.iter().find_map(|l| match &l.mixer {
+        DMixer::Gdn { proj, out, .. } => Some([("gdn in_proj", proj), ("gdn out_proj", out)]),
+        _ => None,
+    });
+    let attn = m.layers.iter().find_map(|l| match &l.mixer {
+        DMixer::Attn { qkv, o, .. } => Some([("attn qkv", qkv), ("attn o_proj", o)]),
+        _ => None,
+    });
+    let mats: Vec<(&str, &crate::gpu::QMat)> =
+        gdn.into_iter().flatten().chain(attn.into_iter().flatten()).chain([("lm_head", &m.lm_head)]).collect();
+    let ns = [8usize, 16, 32, 64];
+    println!("dense products alone (us a launch, 50 in a graph): dense_seqs / gemm_q4 at n = 8 / 16 / 32 / 64");
+    for (name, q) in mats {
+        let mut x = g.zeros::<u16>(64 * q.cols)?;
+        g.fill_bf16(&mut x, 0.01)?;
+        let mut y = g.zeros::<f32>(64 * q.rows)?;
+        let reps = if q.rows > 100_000 { 8 } else { 50 };
+        let mut cells = Vec::new();
+        for &n in &ns {
+            let a = graph_time(g, reps, &mut || g.dense_seqs(q, &x, n, &mut y, q.rows, false))?;
+            let b = graph_time(g, reps, &mut || g.gemm_q4(q, &x, n, &mut y, q.rows, false))?;
+            cells.push(format!("{a:>7.1} /{b:>7.1}"));
+        }
+        println!("  {name:<13} {:>6} x {:>5}  {}", q.rows, q.cols, cells.join("   "));
+    }
+    Ok(())
 }
 
 /// What a sequence's memory costs the host (crate::pool): a new sequence with room for 208 tokens (an 80-token
@@ -535,6 +608,134 @@ fn op_bytes(m: &crate::model::DeviceModel, st: &crate::seq::DeviceState, op: Ste
         StepOp::LmHead => m.lm_head.bytes(),
         StepOp::Embed | StepOp::AttnPrep(_) | StepOp::AttnCombine(_) | StepOp::Argmax => 0,
     }
+}
+
+/// A traced batched step, per kernel family: launches, and per launch the mean of `gap` (from the previous traced
+/// launch's last exit to this one's first wait return: the untraced kernels between them, rmsnorm_rows, topk_rows /
+/// moe_align and moe_combine, fall here, with the launch and dependency latency), `run` (first wait return to last
+/// exit) and `early` (first entry to first wait return: how far its blocks got in before their dependency); gap +
+/// run over all launches is the step. Kernels that mark two points (trace_mark) show their blocks' longest stretch
+/// from the wait to mark 1, mark 1 to 2 and mark 2 to the exit (means over launches). A launch is the records of one code in wait order, `nblocks` of them.
+fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
+    let mut r = recs.to_vec();
+    r.sort_by_key(|x| x.wait);
+    anyhow::ensure!(!r.is_empty(), "trace: no records");
+    struct L {
+        code: u32,
+        n: usize,
+        pre: u64,
+        w0: u64,
+        end: u64,
+        marks: [u64; 3],
+    }
+    let mut launches: Vec<L> = Vec::new();
+    let mut i = 0;
+    while i < r.len() {
+        let (code, nb) = (r[i].code, r[i].nblocks);
+        let mut j = i;
+        while j < r.len() && j - i < (nb as usize).max(1) && r[j].code == code && r[j].nblocks == nb {
+            j += 1;
+        }
+        let g = &r[i..j];
+        // the marked blocks' longest stretches: wait -> mark 1 -> mark 2 -> exit
+        let mut marks = [0u64; 3];
+        for x in g.iter().filter(|x| x.m1 > 0 && x.m2 > 0) {
+            marks[0] = marks[0].max(x.m1.saturating_sub(x.wait));
+            marks[1] = marks[1].max(x.m2.saturating_sub(x.m1));
+            marks[2] = marks[2].max(x.end.saturating_sub(x.m2));
+        }
+        launches.push(L {
+            code,
+            n: g.len(),
+            pre: g.iter().map(|x| x.pre).min().unwrap_or(0),
+            w0: g.iter().map(|x| x.wait).min().unwrap_or(0),
+            end: g.iter().map(|x| x.end).max().unwrap_or(0),
+            marks,
+        });
+        i = j;
+    }
+    let t0 = launches.iter().map(|l| l.pre).min().unwrap_or(0);
+    // dense_seqs by the traced launch before and after it
+    let name = |k: usize| -> &'static str {
+        let code_at = |j: Option<usize>| j.and_then(|j| launches.get(j)).map_or(0, |l| l.code);
+        match launches[k].code {
+            46 => match (code_at(k.checked_sub(1)), code_at(Some(k + 1))) {
+                (21, _) => "gdn_out_proj",
+                (36, _) => "attn_o_proj",
+                (_, 21) => "gdn_in_proj",
+                (_, 34) => "attn_qkv",
+                _ => "lm_head",
+            },
+            21 => "gdn_step_seqs",
+            34 => "attn_prep_seqs",
+            35 => "attn_decode_seqs",
+            36 => "attn_combine_seqs",
+            43 => "moe_gate_up",
+            44 => "moe_down",
+            45 => "router_seqs",
+            50 => "sample_rows",
+            _ => "other",
+        }
+    };
+    #[derive(Default)]
+    struct Fam {
+        name: &'static str,
+        launches: u64,
+        blocks: usize,
+        gap: u64,
+        run: u64,
+        early: u64,
+        marks: [u64; 3],
+    }
+    let mut fam: Vec<Fam> = Vec::new();
+    let mut prev_end = t0;
+    for (k, l) in launches.iter().enumerate() {
+        let f = name(k);
+        let i = match fam.iter().position(|t| t.name == f) {
+            Some(i) => i,
+            None => {
+                fam.push(Fam { name: f, ..Default::default() });
+                fam.len() - 1
+            }
+        };
+        let t = &mut fam[i];
+        t.launches += 1;
+        t.blocks += l.n;
+        t.gap += l.w0.saturating_sub(prev_end);
+        t.run += l.end.saturating_sub(l.w0);
+        t.early += l.w0.saturating_sub(l.pre);
+        for q in 0..3 {
+            t.marks[q] += l.marks[q];
+        }
+        prev_end = prev_end.max(l.end);
+    }
+    println!(
+        "  {} launches, {} blocks, {:.1} us from the first entry to the last exit",
+        launches.len(),
+        r.len(),
+        (prev_end - t0) as f64 / 1e3
+    );
+    println!(
+        "  {:<18} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9}",
+        "family", "launches", "blocks", "gap", "run", "early", "w-m1", "m1-m2", "m2-end", "total us"
+    );
+    for t in &fam {
+        let per = |v: u64| v as f64 / 1e3 / t.launches as f64;
+        println!(
+            "  {:<18} {:>8} {:>7} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>9.1}",
+            t.name,
+            t.launches,
+            t.blocks / t.launches as usize,
+            per(t.gap),
+            per(t.run),
+            per(t.early),
+            per(t.marks[0]),
+            per(t.marks[1]),
+            per(t.marks[2]),
+            (t.gap + t.run) as f64 / 1e3
+        );
+    }
+    Ok(())
 }
 
 /// One traced graph step: per launch (grouped in the order their waits returned), when its first block entered,

@@ -88,7 +88,8 @@ funcs! {
     // multi-token (prefill) kernels: see prefill.rs
     gemm_q4_store: "gemm", gemm_q4_add: "gemm", gemm_q4_swiglu: "gemm", gemm_q4_gstore: "gemm",
     embed_rows: "prefill", rmsnorm_rows: "prefill", router_rows: "prefill", topk_rows: "prefill",
-    moe_align: "prefill", moe_combine: "prefill", gdn_prep: "prefill", gdn_chunk_prep: "prefill",
+    moe_align: "prefill", moe_combine: "prefill", moe_combine_norm_j8: "prefill",
+    moe_combine_norm_j16: "prefill", gdn_prep: "prefill", gdn_chunk_prep: "prefill",
     gdn_chunk_state: "prefill", gdn_chunk_out: "prefill", gdn_gated_norm: "prefill", gdn_ring: "prefill", attn_prep_rows: "prefill",
     flash_prefill_hd256: "flash", flash_prefill_hd128: "flash", flash_prefill_hd64: "flash",
     // sampling over many rows of logits: see sample.rs
@@ -244,17 +245,11 @@ pub struct Gpu {
     /// `moe_*_ring_t*`; default, `TERN_MOE_RING=0` turns it off): the same results bit for bit, faster. Tests and the
     /// bench set it to compare the two.
     pub moe_ring: std::sync::atomic::AtomicBool,
-    /// dense_seqs' column split over blocks (moe_seqs.cu `dense_mma`): the partial sums `[KZ][n][rows]` and the
-    /// per-block-group counts (zero between launches).
-    pub(crate) split_part: CudaSlice<f32>,
-    pub(crate) split_cnt: CudaSlice<u32>,
+    /// The batched step's tall dense products at more than 32 rows through the 128-row GEMM (`Gpu::dense_step`;
+    /// `TERN_DENSE_GEMM=0` keeps dense_seqs): the bench A/Bs the two.
+    pub dense_gemm: std::sync::atomic::AtomicBool,
     _modules: Vec<Arc<CudaModule>>,
 }
-
-/// Floats of dense_seqs' partial sums and counts of its block groups where it splits the columns over blocks
-/// (`Gpu::dense_seqs`: a split that needs more takes fewer ways).
-pub(crate) const DENSE_SPLIT_PART: usize = 1 << 18;
-pub(crate) const DENSE_SPLIT_CNT: usize = 2048;
 
 /// Blocks of the grid-stride GEMV-like kernels: enough to fill the chip, no more.
 const BLOCKS_PER_SM: u32 = 4;
@@ -365,7 +360,6 @@ impl Gpu {
         }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
-        let (split_part, split_cnt) = (stream.alloc_zeros(DENSE_SPLIT_PART)?, stream.alloc_zeros(DENSE_SPLIT_CNT)?);
         Ok(Arc::new(Gpu {
             ctx,
             stream,
@@ -378,8 +372,7 @@ impl Gpu {
             pdl,
             omit: std::sync::atomic::AtomicBool::new(false),
             moe_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_MOE_RING").map_or(true, |v| v != "0")),
-            split_part,
-            split_cnt,
+            dense_gemm: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_GEMM").map_or(true, |v| v != "0")),
             _modules: modules.into_iter().map(|m| m.1).collect(),
         }))
     }

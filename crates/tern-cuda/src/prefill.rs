@@ -425,6 +425,39 @@ impl Gpu {
         Ok(())
     }
 
+    /// [`Gpu::moe_combine`] and then [`Gpu::rmsnorm_rows`] of the new rows with `gain` into `xb` (and `xn`): one
+    /// launch, the same results bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_norm(
+        &self,
+        ybuf: &CudaSlice<f32>,
+        sorted: &MoeSorted,
+        wts: &CudaSlice<f32>,
+        x: &mut CudaSlice<f32>,
+        gain: &CudaSlice<f32>,
+        eps: f32,
+        xb: &mut CudaSlice<u16>,
+        xn: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        let (n, k, h) = (sorted.n, sorted.k, gain.len());
+        ensure!(h <= 4096 && n > 0 && n <= u32::MAX as usize, "moe_combine_norm: {n} rows of {h} (at most 4096)");
+        ensure!(ybuf.len() >= n * (k + 1) * h && wts.len() >= n * (k + 1), "moe_combine_norm: expert rows");
+        ensure!(x.len() >= n * h && xb.len() >= n * h, "moe_combine_norm: buffers");
+        ensure!(xn.as_ref().is_none_or(|v| v.len() >= n * h), "moe_combine_norm: f32 output too short");
+        let (ki, hi) = (k as i32, h as i32);
+        let f = if h <= 2048 { &self.f.moe_combine_norm_j8 } else { &self.f.moe_combine_norm_j16 };
+        let mut l = self.launcher(f);
+        l.arg(ybuf).arg(&sorted.pos).arg(wts).arg(&ki).arg(&hi).arg(&*x).arg(gain).arg(&eps).arg(&*xb);
+        match xn {
+            Some(v) => l.arg(&*v),
+            None => l.arg(&NULL),
+        };
+        // SAFETY: matches moe_combine_norm_j{8,16} (prefill.cu): one block of 256 threads a row, 8 or 16 columns a
+        // thread (h <= 2048 or 4096); pos entries < n*(k+1) rows of ybuf (moe_align over n, k); buffers checked.
+        unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
+        Ok(())
+    }
+
     /// Conv + SiLU + l2-norms + gates of a GDN layer for `n` tokens at positions `pos0..`: from `proj` (`[n, ldp]`:
     /// qkv | z | b | a) and the ring of earlier conv inputs to `qkv` `[n, conv_dim]`, `beta`/`gl` `[n, hv]`.
     #[allow(clippy::too_many_arguments)]
@@ -924,8 +957,11 @@ impl DeviceState {
         g.embed_rows(&m.embed, ids, &mut sc.ids, &mut sc.x)?;
         let mut route_log = routes;
         for (li, (l, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
-            mark("rmsnorm")?;
-            g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
+            if li == 0 {
+                // later layers' input norms go with the combine before them (moe_rows)
+                mark("rmsnorm")?;
+                g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
+            }
             match (&l.mixer, ls) {
                 (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) => {
                     let ldp = proj.rows;
@@ -984,7 +1020,8 @@ impl DeviceState {
                 _ => bail!("layer {li}: state does not match the model's layer kind"),
             }
             let routes = route_log.as_deref_mut().map(|r| &mut r[li]);
-            moe_rows(m, li, sc, n, m.prefill_experts(n), routes.map(Routes::Log), &mut mark)?;
+            let next = m.layers.get(li + 1).map(|l| &l.in_norm);
+            moe_rows(m, li, sc, n, m.prefill_experts(n), routes.map(Routes::Log), next, &mut mark)?;
         }
         if let Some(out) = all_logits {
             let v = c.vocab_size;
@@ -1064,7 +1101,10 @@ pub enum Routes<'a> {
 
 /// The MoE block of layer `li` for the `n` rows of `sc.x` (residual added in place): post-norm, f32 router, top-k,
 /// the pairs sorted by expert, gate|up + SwiGLU and down products (`how`), combine. `routes` logs or holds the
-/// expert choices; `mark` names each kernel family before its launch (profiling).
+/// expert choices; `next_norm`, the gain of the RMSNorm that follows (the next layer's input norm or the final
+/// one), fuses that norm into the combine (x and `sc.xb` as the two launches leave them); `mark` names each kernel
+/// family before its launch (profiling).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn moe_rows(
     m: &DeviceModel,
     li: usize,
@@ -1072,6 +1112,7 @@ pub(crate) fn moe_rows(
     n: usize,
     how: MoeExperts,
     routes: Option<Routes>,
+    next_norm: Option<&CudaSlice<f32>>,
     mark: &mut dyn FnMut(&'static str) -> Result<()>,
 ) -> Result<()> {
     let (g, c, l) = (&*m.gpu, &m.config, &m.layers[li]);
@@ -1139,7 +1180,10 @@ pub(crate) fn moe_rows(
         }
     }
     mark("moe_combine")?;
-    g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x)
+    match next_norm {
+        Some(gain) => g.moe_combine_norm(&sc.ybuf, &sc.sorted, &sc.wts, &mut sc.x, gain, eps, &mut sc.xb, None),
+        None => g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x),
+    }
 }
 
 /// FLOPs of a prefill of `n` tokens after `pos0` cached ones (matrix products, the chunked GDN and attention;

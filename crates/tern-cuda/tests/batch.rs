@@ -180,16 +180,22 @@ fn batched_decode_full_shape() {
     let Some(_g) = gpu_or_skip("batched_decode_full_shape") else { return };
     let c = full_config();
     let be = CudaBackend::random(&c, 11, CudaOptions::with_context(256)).unwrap();
-    let seen = compare(&be, 16, 6, 6, true);
-    let (med, max) = (pct(&seen.dist, 0.5), pct(&seen.dist, 1.0));
     let (_, yx) = yardstick();
-    println!(
-        "full shape batch of 16, 6 steps, routing held: {} of 96 rows: logits vs alone median {med:.2e} max \
-         {max:.2e}; greedy ids equal where the top-2 gap > 2%: {}/{}",
-        seen.rows, seen.same, seen.decided
-    );
-    assert_eq!(seen.rows, 96, "full shape: rows held alike");
-    assert!(max <= yx && seen.same == seen.decided, "full shape: median {med} max {max}");
+    // 16 rows: the 8-row dense products; 40: the tall ones through the 128-row GEMM (Gpu::dense_step)
+    for (b, steps) in [(16, 6), (40, 2)] {
+        let seen = compare(&be, b, steps, steps, true);
+        let (med, max) = (pct(&seen.dist, 0.5), pct(&seen.dist, 1.0));
+        println!(
+            "full shape batch of {b}, {steps} steps, routing held: {} of {} rows: logits vs alone median {med:.2e} \
+             max {max:.2e}; greedy ids equal where the top-2 gap > 2%: {}/{}",
+            seen.rows,
+            b * steps,
+            seen.same,
+            seen.decided
+        );
+        assert_eq!(seen.rows, b * steps, "full shape: rows held alike");
+        assert!(max <= yx && seen.same == seen.decided, "full shape, batch of {b}: median {med} max {max}");
+    }
 }
 
 /// Through the backend seam with batched decode and GPU sampling on: five prompts read in one step (one

@@ -216,6 +216,7 @@ fn moe_rows_match_cpu() {
                 let mut seq_logits = g.zeros::<f32>(n * (e + 1)).unwrap();
                 g.router_seqs(&dl.router, &b.xn, n, &mut seq_logits).unwrap();
                 let e_router_seqs = rel(&g.download(&seq_logits).unwrap(), &want_logits);
+                let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
                 let mut ids: Vec<usize> = g
                     .download(&b.idx)
                     .unwrap()
@@ -285,7 +286,19 @@ fn moe_rows_match_cpu() {
                 g.stream.memcpy_htod(&nan, &mut b.ybuf).unwrap();
                 g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xn, &b.sorted, &mut b.act).unwrap();
                 g.moe_down_seqs(&dl.down, e, sizes, h, &b.act, &b.sorted, &mut b.ybuf).unwrap();
+                // the combine with the next norm fused (a layer's input norm: here the post-norm's gain) against the
+                // two launches, bit for bit: x, xb and xn
+                let mut xc = g.zeros::<f32>(n * h).unwrap();
+                g.stream.memcpy_dtod(&b.x, &mut xc).unwrap();
+                let (mut xb2, mut xn2) = (g.zeros::<u16>(n * h).unwrap(), g.zeros::<f32>(n * h).unwrap());
+                g.moe_combine_norm(&b.ybuf, &b.sorted, &b.wts, &mut xc, &dl.post_norm, eps, &mut xb2, Some(&mut xn2))
+                    .unwrap();
                 g.moe_combine(&b.ybuf, &b.sorted, &b.wts, h, &mut b.x).unwrap();
+                let (mut xb3, mut xn3) = (g.zeros::<u16>(n * h).unwrap(), g.zeros::<f32>(n * h).unwrap());
+                g.rmsnorm_rows(&b.x, n, &dl.post_norm, eps, &mut xb3, Some(&mut xn3)).unwrap();
+                assert!(bits(g.download(&xc).unwrap()) == bits(g.download(&b.x).unwrap()), "{name} N={n}: fused x");
+                assert!(g.download(&xb2).unwrap() == g.download(&xb3).unwrap(), "{name} N={n}: fused combine's xb");
+                assert!(bits(g.download(&xn2).unwrap()) == bits(g.download(&xn3).unwrap()), "{name} N={n}: fused xn");
                 let got_s: Vec<f32> = g.download(&b.x).unwrap().iter().zip(&x).map(|(a, v)| a - v).collect();
                 let (s_max, s_norm) = (rel(&got_s, &want), rel2(&got_s, &want));
                 let ntile = g.download(&b.sorted.ntile).unwrap()[0];

@@ -18,7 +18,9 @@ struct TraceRec {
     unsigned long long pre, wait, m1, m2, end;
     unsigned int code, nblocks, sm, pad;
 };
+#ifndef TRACE_CAP  // records per module (moe_seqs.cu holds more: a batched step's expert and dense blocks)
 #define TRACE_CAP 32768
+#endif
 __device__ TraceRec g_trace[TRACE_CAP];
 __device__ unsigned int g_trace_n;
 __device__ int g_trace_on;

@@ -11,14 +11,20 @@
 // Inputs: proj = [conv_dim (q|k|v) | value_dim (z) | Hv (b) | Hv (a)] f32; conv_w [conv_dim, K] f32;
 // ring [K, conv_dim] f32 (slot p % K holds the pre-conv input of position p); pos: device position counter.
 // Bytes per call: state 2 * Hv*dk*dv*4 (read+write) + ~(K+1)*conv_dim*4. FLOPs ~ 6*Hv*dk*dv.
-// gdn_step_seqs: the same step for B sequences of a batched decode step, one block per (value head h, row r): grid
-// (Hv, B), 128 * ceil(dv / 32) threads (warp w: value columns 32 (w % C) + lane, C = ceil(dv / 32), and state rows
-// i = w / C + 4 j). Row r's projections proj + r ldp, its ring and state from the pointer tables rings[r] /
-// states[r], its position posv[r] (uploaded by the host before the step, so it may be read before the dependency
-// wait), output bf16 row r (stride ldo) for out_proj. The head's whole state [dk][dv] goes through dynamic shared
-// memory (cp.async, issued first; dk * dv * 4 bytes, dv % 4 == 0): no cluster, and the conv and norms of a head are
-// computed once instead of once per 32 columns (the per-32-column blocks of the batch-1 kernel, 4,096 of them at
-// B = 32, took 75 us where the state's bytes take ~31).
+// gdn_step_seqs: the same step for B sequences of a batched decode step, P blocks per (value head h, row r), each
+// taking dv / P value columns: grid (Hv P, B), clusters of the P blocks of a head, 128 * ceil(dv / P / 32) threads
+// (warp w: the block's value columns 32 (w % C) + lane, C = ceil(dv / P / 32), and state rows i = w / C + 4 j). Row
+// r's projections proj + r ldp, its ring and state from the pointer tables rings[r] / states[r], its position posv[r]
+// (uploaded by the host before the step, so it may be read before the dependency wait), output bf16 row r (stride
+// ldo) for out_proj. The block's columns of the head's state [dk][dv / P] go through dynamic shared memory (cp.async,
+// issued first; dk * dv / P * 4 bytes, dv / P <= 64 and % 4 == 0); each block computes the head's conv and norms of q and k
+// (the per-32-column blocks of the batch-1 kernel, 4,096 of them at B = 32, took 75 us where the state's bytes take
+// ~31); the gated norm's sum of o^2 is gathered from the cluster. P = dv / 64 where dv allows (64-column blocks of 256
+// threads, 6 a multiprocessor; with the whole head a block of 512, 2 a multiprocessor, B = 32 took 53.6 us a layer).
+// The sums (m, o per column over the 4 row groups in order; o^2 over the head's 32-column chunks in order) are
+// those of gdn_step, so the results are the same bit for bit.
+// a traced batched step at B = 32 records 61k blocks of gdn_step_seqs (tern bench --trace): 7.3 MB of records
+#define TRACE_CAP (1 << 17)
 #include "mma.cuh"  // cp_async
 #include <cooperative_groups.h>
 namespace cg = cooperative_groups;
@@ -160,36 +166,44 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step(
     gdn_step_body<float>(proj, conv_w, ring, a_log, dt_bias, state, out, pos_ptr, norm, eps, Hk, Hv, dk, dv, K);
 }
 
-extern "C" __global__ void __launch_bounds__(1024) gdn_step_seqs(
+// 6 blocks of 256 threads a multiprocessor (40 registers; 32 KB of state and 2.7 KB of arrays each)
+extern "C" __global__ void __launch_bounds__(256, 6) gdn_step_seqs(
     const float* __restrict__ proj, int ldp, const float* __restrict__ conv_w,
     const unsigned long long* __restrict__ rings, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
     const unsigned long long* __restrict__ states, __nv_bfloat16* __restrict__ out, int ldo,
-    const int* __restrict__ posv, const float* __restrict__ norm, float eps, int Hk, int Hv, int dk, int dv, int K) {
+    const int* __restrict__ posv, const float* __restrict__ norm, float eps, int Hk, int Hv, int dk, int dv, int K,
+    int P) {
     KTRACE(21);
     __shared__ float red[3][32];                       // per-warp partial sums: |q|^2, |k|^2, |o|^2
-    __shared__ float qs[128], ks[128], vs[256];       // normalised q, k; v (per column)
-    __shared__ float part[4][256];                     // per row group: m, then o, per column
-    extern __shared__ __align__(16) float sst[];       // the head's state [dk][dv]
-    const int h = blockIdx.x, r = blockIdx.y;
+    __shared__ float qs[128], ks[128], vs[64];        // normalised q, k; v (per column of this block: dvp <= 64)
+    __shared__ float part[4][64];                      // per row group: m, then o, per column
+    extern __shared__ __align__(16) float sst[];       // this block's columns of the head's state [dk][dv / P]
+    const int h = blockIdx.x / P, p = blockIdx.x - h * P, r = blockIdx.y;
+    const int dvp = dv / P, c0 = p * dvp;              // this block's value columns [c0, c0 + dvp)
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int C = (dv + 31) / 32, chunk = warp % C, rg = warp / C;  // column chunk, row group (0..3)
-    const int col = chunk * 32 + lane;
-    const bool active = col < dv;
+    const int C = (dvp + 31) / 32, chunk = warp % C, rg = warp / C;  // column chunk, row group (0..3)
+    const int col = chunk * 32 + lane;                 // local column; the head's column c0 + col
+    const bool active = col < dvp;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, Vd = Hv * dv;
     const int kh = h / (Hv / Hk);
     proj += (long)r * ldp;
     out += (long)r * ldo;
     float* ring = reinterpret_cast<float*>(rings[r]);
-    float* S = reinterpret_cast<float*>(states[r]) + (long)h * dk * dv;
+    float* S = reinterpret_cast<float*>(states[r]) + (long)h * dk * dv + c0;
     const int pos = posv[r];
-    // the state first (it does not depend on this step's inputs): 16-byte copies, row-major as in global memory
-    for (int idx = tid; idx < dk * dv / 4; idx += blockDim.x) cp_async16(sst + 4 * idx, S + 4 * idx, 16);
+    // the state first (it does not depend on this step's inputs): 16-byte copies, rows of dvp floats
+    const int rq = dvp / 4;
+    for (int idx = tid; idx < dk * rq; idx += blockDim.x) {
+        const int i = idx / rq, u = idx - i * rq;
+        cp_async16(sst + i * dvp + 4 * u, S + (long)i * dv + 4 * u, 16);
+    }
     cp_async_commit();
     const int cur = pos % K, first = (pos + 1) % K;  // ring slot of this position, of the oldest input
     auto conv_past = [&](int ch, float& wlast) { return gdn_conv_past(conv_w, ring, conv_dim, K, first, ch, wlast); };
-    // threads tid < dk: q and k channel tid; threads tid < dv: v channel tid (warps of row group 0: col == tid)
-    const bool has_qk = tid < dk, has_v = tid < dv;
-    const int chq = kh * dk + tid, chk = Kd + kh * dk + tid, chv = 2 * Kd + h * dv + tid;
+    // threads tid < dk: q and k channel tid (every block of the head: the norms need all of them); tid < dvp: v
+    // channel c0 + tid (warps of row group 0: col == tid)
+    const bool has_qk = tid < dk, has_v = tid < dvp;
+    const int chq = kh * dk + tid, chk = Kd + kh * dk + tid, chv = 2 * Kd + h * dv + c0 + tid;
     float pq = 0.f, pk = 0.f, pv = 0.f, wq = 0.f, wk = 0.f, wv = 0.f;
     if (has_qk) {
         pq = conv_past(chq, wq);
@@ -197,12 +211,12 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_seqs(
     }
     if (has_v) pv = conv_past(chv, wv);
     const float ealog = __expf(a_log[h]), dtb = dt_bias[h];
-    const float gn = active ? norm[col] : 0.f;
+    const float gn = active ? norm[c0 + col] : 0.f;
     pdl_wait();  // proj comes from the previous kernel
     const float xq = has_qk ? proj[chq] : 0.f, xk = has_qk ? proj[chk] : 0.f, xv = has_v ? proj[chv] : 0.f;
     const float xb = proj[conv_dim + Vd + h], xa = proj[conv_dim + Vd + Hv + h];
-    const float xz = (active && rg == 0) ? proj[conv_dim + h * dv + col] : 0.f;
-    if (has_qk && h % (Hv / Hk) == 0) {  // the key head's first value head writes its q/k ring slots
+    const float xz = (active && rg == 0) ? proj[conv_dim + h * dv + c0 + col] : 0.f;
+    if (has_qk && h % (Hv / Hk) == 0 && p == 0) {  // the key head's first value head writes its q/k ring slots
         ring[cur * conv_dim + chq] = xq;
         ring[cur * conv_dim + chk] = xk;
     }
@@ -230,11 +244,12 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_seqs(
     const float decay = __expf(-ealog * softplus_f(xa + dtb));
     cp_async_wait<0>();
     __syncthreads();  // qs, ks, vs and the state are in place
+    trace_mark(0);
     float m = 0.f;
     if (active)
         for (int i = rg; i < dk; i += 4) {
-            const float sv = sst[i * dv + col] * decay;
-            sst[i * dv + col] = sv;  // only this thread reads or writes this (row, column)
+            const float sv = sst[i * dvp + col] * decay;
+            sst[i * dvp + col] = sv;  // only this thread reads or writes this (row, column)
             m = fmaf(sv, ks[i], m);
         }
     part[rg][col] = m;
@@ -244,11 +259,12 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_seqs(
     float o = 0.f;
     if (active)
         for (int i = rg; i < dk; i += 4) {
-            const float sv = fmaf(ks[i], delta, sst[i * dv + col]);
+            const float sv = fmaf(ks[i], delta, sst[i * dvp + col]);
             S[(long)i * dv + col] = sv;
             o = fmaf(sv, qs[i], o);
         }
     __syncthreads();  // every thread has read part (m) before it is reused
+    trace_mark(1);
     part[rg][col] = o;
     __syncthreads();
     o = part[0][col] + part[1][col] + part[2][col] + part[3][col];
@@ -256,10 +272,17 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_step_seqs(
         const float t = warp_sum(active ? o * o : 0.f);
         if (lane == 0) red[2][chunk] = t;
     }
-    __syncthreads();
+    // the head's sum of o^2: every block's chunk sums, in the head's chunk order (the blocks of a head are a
+    // cluster of P; with P = 1 the cluster is this block)
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
     if (rg == 0 && active) {
         float ss = 0.f;
-        for (int c = 0; c < C; c++) ss += red[2][c];
-        out[h * dv + col] = to_act<__nv_bfloat16>(o * rsqrtf(ss / dv + eps) * gn * silu_f(xz));
+        for (int b = 0; b < P; b++) {
+            const float* rb = cluster.map_shared_rank(&red[2][0], b);
+            for (int c = 0; c < C; c++) ss += rb[c];
+        }
+        out[h * dv + c0 + col] = to_act<__nv_bfloat16>(o * rsqrtf(ss / dv + eps) * gn * silu_f(xz));
     }
+    cluster.sync();  // no block leaves while another may still read its sums
 }

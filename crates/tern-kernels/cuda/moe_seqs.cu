@@ -18,9 +18,9 @@
 //                   together, so the weights come from DRAM once and from L2 for the other token groups); KS = 4
 //                   splits each block's columns over its 4 warps (32 rows a block) for matrices that would make too
 //                   few blocks (out_proj, o_proj: 2048 rows; any matrix at n <= 8); where even that leaves the GPU
-//                   idle, grid z = KZ blocks take a column range each and the last of them sums their partial sums
-//                   (part [KZ][n][rows], counts cnt: dense_mma). Requirements (host): rows >= 16, cols a multiple of
-//                   32 W KS KZ and of the group size x KS KZ, group size 32 << gshift >= 32 W.
+//                   idle, grid z = KZ blocks (a cluster) take a column range each and the first of them sums their
+//                   partial sums from the others' shared memory (dense_mma). Requirements (host): rows >= 16, cols a
+//                   multiple of 32 W KS KZ and of the group size x KS KZ, group size 32 << gshift >= 32 W, KZ <= 8.
 //                   Bytes rows*cols/2 (+ scales) from DRAM + 16*cols per block (x, L2). FLOPs 2*n*rows*cols.
 // moe_gate_up_seqs_w{1,2}  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t,
 //                   expert e) of tile blockIdx.y (t = rowmap[p]), j in [64 blockIdx.x, +64) of the expert's n = I (or
@@ -36,7 +36,11 @@
 // mma's operands), f32 accumulation. Requirements (checked on the host): H and n multiples of 32 W (and of 16 for
 // the item rows), group size 32 << gshift >= 32 W, per-expert strides words / groups (u32 words / scale entries);
 // tiles from moe_align over the same pairs.
+// a traced batched step at B = 32 records ~200k blocks of this module (tern bench --trace): 14.7 MB of records
+#define TRACE_CAP (1 << 18)
 #include "mma.cuh"
+#include <cooperative_groups.h>
+namespace cg = cooperative_groups;
 
 #define RS_R 16   // router rows per block (2 per warp)
 #define RS_TG 4   // router tokens per block
@@ -102,8 +106,9 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ src, long ld, c
 // Stage rows (rowmap[p0 + t], or p0 + t when direct; t < nt <= TGS) of src [*, ld] (f32 or bf16), cols columns
 // (a multiple of 32 W), into xs (the layout above; uint4 [cols / 8 * MM_TG], only the slots of tokens < nt
 // written) and xsum [cols / (32 W)][MM_TG]; every thread of the block calls it; ends with a barrier. The loads of
-// up to 4 units per thread are issued together (one round trip for up to 4 * blockDim units; a loop of one unit
-// per trip over all 8 token slots cost gate|up 183 against 170 us).
+// up to PER units per thread are issued together (one round trip for up to PER * blockDim units; a loop of one unit
+// per trip over all 8 token slots cost gate|up 183 against 170 us): 8 for bf16 rows (one 16-byte register load a
+// unit), 4 for f32 (two).
 template <int W, int TGS = MM_TG, typename T>
 __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, const int* __restrict__ rowmap,
                                           int p0, int nt, int cols, bool direct, uint4* xs, float* xsum) {
@@ -115,12 +120,13 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
     // q / nt as a multiply and a shift (exact for nt <= 8 and q < 8192; q < nt cols / 32 here): the runtime
     // divisions were most of the staging's instructions
     const unsigned magic = (65536u + nt - 1) / nt;
-    for (int u0 = 0; u0 < units; u0 += 4 * blockDim.x) {  // uniform trip count: the shuffles see every lane
+    constexpr int PER = sizeof(T) == 4 ? 4 : 8;
+    for (int u0 = 0; u0 < units; u0 += PER * blockDim.x) {  // uniform trip count: the shuffles see every lane
         // f32: two float4 of the unit's 8 columns; bf16: one uint4 (as raw words in va[k].x..w)
-        float4 va[4], vb[4];
-        int slot[4];  // where the unit goes: ((kb W + i) TGS + t) 4 + c
+        float4 va[PER], vb[PER];
+        int slot[PER];  // where the unit goes: ((kb W + i) TGS + t) 4 + c
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < PER; k++) {
             const int u = u0 + k * blockDim.x + threadIdx.x;
             va[k] = vb[k] = make_float4(0.f, 0.f, 0.f, 0.f);
             slot[k] = 0;
@@ -141,7 +147,7 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
             }
         }
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < PER; k++) {
             const int u = u0 + k * blockDim.x + threadIdx.x;
             // bf16 pairs (x_p, x_p+4), p = 0..3, and the sum of the rounded values
             uint4 q;
@@ -519,7 +525,9 @@ MOE_MMA(2)
 // (or more: then passes of TGS, each streaming the rows again). They take the register-streamed kernels' arguments,
 // gshift included (always 1 here), so that the host launches either with one argument list.
 #define RING_R 2      // items per warp, computed together
-#define RING_S 2      // stages per warp ring
+#ifndef RING_S  // (tools/moe_bench.cu builds other depths to compare)
+#define RING_S 2  // stages per warp ring
+#endif
 #define RING_NW 4     // warps per block
 #define RING_SLOT (RING_R * (2048 + 256))
 
@@ -644,6 +652,7 @@ __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, 
                 for (int r = 0; r < R; r++) tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f;
             }
         }
+    trace_mark(1);
     cp_async_wait<0>();  // nothing of this warp's ring is left in flight when the caller reuses it
     __syncwarp();
 }
@@ -683,7 +692,10 @@ __device__ __forceinline__ void moe_gate_up_ring(const uint32_t* __restrict__ w,
         if (g0 > 0) __syncthreads();  // the previous pass is done with xs
         rows_ring<TGS>(
             item, 1, H / 256, rs, n * rs, srs, n * srs, nt, xs, xsum, ring,
-            [&] { stage_mma<2, TGS>(xn, H, rowmap, p0 + g0, nt, H, false, xs, xsum); },
+            [&] {
+                stage_mma<2, TGS>(xn, H, rowmap, p0 + g0, nt, H, false, xs, xsum);
+                trace_mark(0);
+            },
             [&](int, float(&tot)[RING_R][4]) {
 #pragma unroll
                 for (int r = 0; r < RING_R; r++) {
@@ -732,7 +744,10 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
         if (g0 > 0) __syncthreads();
         rows_ring<TGS>(
             item, SETS, n / 256, rs, 8 * rs, srs, 8 * srs, nt, xs, xsum, ring,
-            [&] { stage_mma<2, TGS>(act, ld, nullptr, p0 + g0, nt, n, true, xs, xsum); },
+            [&] {
+                stage_mma<2, TGS>(act, ld, nullptr, p0 + g0, nt, n, true, xs, xsum);
+                trace_mark(0);
+            },
             [&](int it, float(&tot)[RING_R][4]) {
 #pragma unroll
                 for (int q = 0; q < RING_R; q++) {
@@ -770,19 +785,21 @@ MOE_RING(8, 3)
 // of split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the
 // splits' sums meet in shared memory in split order (deterministic). Item starts are clamped to rows - 16 (an item
 // past the end recomputes rows of the one before and stores only its own). Shared memory: xs [cz / 8 * MM_TG]
-// uint4 | xsum [nk][MM_TG] | scales, biases [2][128 / KS][sst] | partials [KS - 1][128 / KS rows x 8 tokens].
-// Where even that leaves the GPU idle (2,048-row matrices at B <= 8: 64 blocks of 4 warps), the columns are also
-// split over gridDim.z = KZ blocks (cz = cols / KZ each, staged alone): each writes its sums to part
-// [KZ][n][rows], counts itself in cnt[block (x, y)], and the block that counts last adds the KZ partial sums in z
-// order (the same result whichever block is last) into y and sets the count back to 0 for the next launch.
+// uint4 | xsum [nk][MM_TG] | scales, biases [2][128 / KS][sst] | partials [KS - 1][128 / KS rows x 8 tokens] |
+// the block's sums [128 / KS rows][8 tokens] (read by its cluster). Where even that leaves the GPU idle (2,048-row
+// matrices at B <= 8: 64 blocks of 4 warps), the columns are also split over gridDim.z = KZ blocks (cz = cols / KZ
+// each, staged alone), launched as one cluster: each leaves its sums in its shared memory, and after a cluster
+// barrier the block of rank 0 adds the KZ blocks' sums in z order into y (the same bits as the one-block sum would
+// give: a partial sum per range, then the ranges in order). Before, the blocks wrote their sums to global memory,
+// fenced, counted themselves with an atomic and the last one re-read them: out_proj at B = 8 13.5 -> 11.0 us a launch
+// (tern bench --trace, from its first dependency wait to its last exit).
 template <int W, int KS>
 __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                                           const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift,
                                           const __nv_bfloat16* __restrict__ x, int n, float* __restrict__ y, int ldy,
-                                          int add, float* __restrict__ part, unsigned* __restrict__ cnt) {
+                                          int add) {
     constexpr int RB = MM_WARPS * MM_R * 16 / KS;  // rows per block
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ bool last;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int ks = warp % KS, wi = warp / KS;
     const int t0 = blockIdx.x * MM_TG, nt = min(MM_TG, n - t0);
@@ -816,8 +833,10 @@ __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const 
                     pdl_wait();          // x (and y when adding) come from the previous kernels
                     cp_async_wait<0>();  // the scales (made visible by stage_mma's barrier)
                     stage_mma<W>(x + c0, cols, nullptr, t0, nt, cz, true, xs, xsum);
+                    trace_mark(0);
                 },
                 tot);
+    trace_mark(1);
     if (KS > 1) {
         float* mine = red + ((ks - 1) * (RB / 32) + wi) * (MM_R * 4 * 32);
         if (ks > 0)
@@ -850,22 +869,19 @@ __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const 
             }
     };
     if (KZ > 1) {
-        if (ks == 0) each([&](int row, int t, float v) { part[((long)blockIdx.z * n + t) * rows + row] = v; });
-        __threadfence();  // this block's partial sums before its count
-        __syncthreads();
-        unsigned* my = cnt + blockIdx.x * gridDim.y + blockIdx.y;
-        if (threadIdx.x == 0) last = atomicAdd(my, 1u) == (unsigned)KZ - 1;
-        __syncthreads();
-        if (!last) return;
-        __threadfence();  // every block's partial sums are visible after their counts
-        if (ks == 0)
+        // the block's sums at [row - r0][token - t0]; the cluster is this block's KZ z-blocks, rank = blockIdx.z
+        float* zs = red + (KS - 1) * RB * MM_TG;
+        if (ks == 0) each([&](int row, int t, float v) { zs[(row - r0) * MM_TG + t - t0] = v; });
+        cg::cluster_group cluster = cg::this_cluster();
+        cluster.sync();  // every block's sums are in its shared memory
+        if (blockIdx.z == 0 && ks == 0)
             each([&](int row, int t, float) {
                 float v = 0.f;
-                for (int z = 0; z < KZ; z++) v += __ldcg(part + ((long)z * n + t) * rows + row);
+                for (int z = 0; z < KZ; z++) v += cluster.map_shared_rank(zs, z)[(row - r0) * MM_TG + t - t0];
                 float* dst = y + (long)t * ldy + row;
                 *dst = add ? *dst + v : v;
             });
-        if (threadIdx.x == 0) *my = 0u;  // every block of the group has counted: ready for the next launch
+        cluster.sync();  // no block leaves while rank 0 may still read its sums
         return;
     }
     if (ks == 0)
@@ -878,9 +894,9 @@ __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const 
 #define DENSE_MMA(W, KS)                                                                                           \
     extern "C" __global__ void __launch_bounds__(128, 4) dense_seqs_w##W##_k##KS(                                  \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols, int gshift,       \
-        const __nv_bfloat16* x, int n, float* y, int ldy, int add, float* part, unsigned* cnt) {                 \
+        const __nv_bfloat16* x, int n, float* y, int ldy, int add) {                                             \
         KTRACE(46);                                                                                              \
-        dense_mma<W, KS>(w, s, b, rows, cols, gshift, x, n, y, ldy, add, part, cnt);                             \
+        dense_mma<W, KS>(w, s, b, rows, cols, gshift, x, n, y, ldy, add);                                        \
     }
 DENSE_MMA(1, 1)
 DENSE_MMA(2, 1)

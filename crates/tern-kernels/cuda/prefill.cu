@@ -18,6 +18,7 @@
 //                 token order, and the tile list of the grouped GEMMs (expert, first pair, count <= bn) with its
 //                 length. Bytes ~ N*(k+1)*12.
 // moe_combine     x[n] += sum_{s <= k} wts[n, s] * ybuf[pos[n, s]] (slot order: deterministic). Grid N.
+// moe_combine_norm_j{8,16}  moe_combine, then rmsnorm_rows of the new x (one launch, the same bits). Grid N.
 // gdn_prep        per token: causal depthwise conv over q|k|v (K taps; inputs before pos0 from the ring, slot
 //                 p % K holds position p), SiLU, l2-norm of q and k per key head (q also * dk^-1/2), beta =
 //                 sigmoid(b), gl = -exp(A_log) * softplus(a + dt_bias) (the log of the decay). -> qkv [N,
@@ -294,6 +295,85 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __res
     }
     *reinterpret_cast<float4*>(x + (long)n * H + c) = acc;
 }
+
+// moe_combine, then rmsnorm_rows of the new rows (the next layer's input norm, or the final norm) in one launch: one
+// block of 256 threads per row (H <= 256 NJ), columns c = tid + 256 j as in rmsnorm_rows. Each column's sum is
+// moe_combine's (the residual, then fmaf(weight, expert row, acc) slot by slot) and the norm's sums rmsnorm_rows',
+// so x, xb and xn come out the same bit for bit as the two kernels' (a launch and a dependency wait less a layer).
+// The k + 1 slots' loads go CH at a time.
+template <int NJ>
+__device__ __forceinline__ void moe_combine_norm_body(const float* __restrict__ ybuf, const int* __restrict__ pos,
+                                                      const float* __restrict__ wts, int k, int H,
+                                                      float* __restrict__ x, const float* __restrict__ gain,
+                                                      float eps, __nv_bfloat16* __restrict__ xb,
+                                                      float* __restrict__ xn) {
+    constexpr int CH = 72 / NJ;
+    __shared__ float red[32];
+    float g[NJ];  // a weight: loaded before the dependency wait
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int c = threadIdx.x + 256 * j;
+        g[j] = c < H ? gain[c] : 0.f;
+    }
+    pdl_wait();
+    const int n = blockIdx.x;
+    const int* pn = pos + (long)n * (k + 1);
+    const float* wn = wts + (long)n * (k + 1);
+    float* xr = x + (long)n * H;
+    float v[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int c = threadIdx.x + 256 * j;
+        v[j] = c < H ? xr[c] : 0.f;
+    }
+    for (int s0 = 0; s0 <= k; s0 += CH) {
+        float e[CH][NJ], wv[CH];
+#pragma unroll
+        for (int q = 0; q < CH; q++) {
+            wv[q] = 0.f;
+            if (s0 + q <= k) {
+                wv[q] = wn[s0 + q];
+                const float* yr = ybuf + (long)pn[s0 + q] * H;
+#pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    const int c = threadIdx.x + 256 * j;
+                    e[q][j] = c < H ? yr[c] : 0.f;
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < CH; q++)
+            if (s0 + q <= k)
+#pragma unroll
+                for (int j = 0; j < NJ; j++) v[j] = fmaf(wv[q], e[q][j], v[j]);
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int c = threadIdx.x + 256 * j;
+        if (c < H) xr[c] = v[j];
+        ss += v[j] * v[j];
+    }
+    const float r = rsqrtf(block_sum(ss, red) / H + eps);
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const int c = threadIdx.x + 256 * j;
+        if (c < H) {
+            const float y = v[j] * r * g[j];
+            xb[(long)n * H + c] = __float2bfloat16(y);
+            if (xn) xn[(long)n * H + c] = y;
+        }
+    }
+}
+
+#define MOE_COMBINE_NORM(NJ)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) moe_combine_norm_j##NJ(                                     \
+        const float* ybuf, const int* pos, const float* wts, int k, int H, float* x, const float* gain, float eps, \
+        __nv_bfloat16* xb, float* xn) {                                                                           \
+        moe_combine_norm_body<NJ>(ybuf, pos, wts, k, H, x, gain, eps, xb, xn);                                     \
+    }
+MOE_COMBINE_NORM(8)
+MOE_COMBINE_NORM(16)
 
 // ---- Gated DeltaNet
 
