@@ -257,41 +257,29 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) 
     }
     buffers(m)?.graphs = true;
     println!("(ceiling: bytes per step / 4.3 TB/s; experts: expected distinct routed experts per layer)");
+    // the same binary with a kernel choice off, then on (each setting's graphs captured afresh), greedy with graphs:
     // the streamed experts through the shared-memory ring kernels or the register-streamed ones (Gpu::moe_ring; the
-    // same results bit for bit), greedy with graphs: each setting's graphs captured afresh
-    let ring_was = g.moe_ring.load(std::sync::atomic::Ordering::Relaxed);
-    let mut ab: Vec<String> = Vec::new();
-    for &b in [1usize, 8, 32, 64].iter().filter(|&&b| b <= bmax) {
-        let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
-        let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
-        let mut ms = [0.0; 2];
-        for (ring, ms) in [false, true].into_iter().zip(ms.iter_mut()) {
-            g.moe_ring.store(ring, std::sync::atomic::Ordering::Relaxed);
-            buffers(m)?.seqs = None;
-            *ms = step_ms(m, &mut seqs, b, ctx, &ids, &want, repeats)?;
+    // same results bit for bit), the lm_head above 32 rows through the 128-row GEMM or dense_seqs (Gpu::dense_gemm)
+    let mut ab = |flag: &std::sync::atomic::AtomicBool, sizes: &[usize]| -> Result<String> {
+        let was = flag.load(std::sync::atomic::Ordering::Relaxed);
+        let mut out: Vec<String> = Vec::new();
+        for &b in sizes.iter().filter(|&&b| b <= bmax) {
+            let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+            let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
+            let mut ms = [0.0; 2];
+            for (on, ms) in [false, true].into_iter().zip(ms.iter_mut()) {
+                flag.store(on, std::sync::atomic::Ordering::Relaxed);
+                buffers(m)?.seqs = None;
+                *ms = step_ms(m, &mut seqs, b, ctx, &ids, &want, repeats)?;
+            }
+            out.push(format!("B = {b}: {:.3} -> {:.3} ms", ms[0], ms[1]));
         }
-        ab.push(format!("B = {b}: {:.3} -> {:.3} ms", ms[0], ms[1]));
-    }
-    g.moe_ring.store(ring_was, std::sync::atomic::Ordering::Relaxed);
-    buffers(m)?.seqs = None;
-    println!("streamed experts, register-streamed -> ring kernels (ms a step): {}", ab.join(", "));
-    // the tall dense products above 32 rows through dense_seqs or the 128-row GEMM (Gpu::dense_step)
-    let gemm_was = g.dense_gemm.load(std::sync::atomic::Ordering::Relaxed);
-    let mut ab: Vec<String> = Vec::new();
-    for &b in [48usize, 64].iter().filter(|&&b| b <= bmax) {
-        let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
-        let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b];
-        let mut ms = [0.0; 2];
-        for (gemm, ms) in [false, true].into_iter().zip(ms.iter_mut()) {
-            g.dense_gemm.store(gemm, std::sync::atomic::Ordering::Relaxed);
-            buffers(m)?.seqs = None;
-            *ms = step_ms(m, &mut seqs, b, ctx, &ids, &want, repeats)?;
-        }
-        ab.push(format!("B = {b}: {:.3} -> {:.3} ms", ms[0], ms[1]));
-    }
-    g.dense_gemm.store(gemm_was, std::sync::atomic::Ordering::Relaxed);
-    buffers(m)?.seqs = None;
-    println!("tall dense products, dense_seqs -> gemm_q4 (ms a step): {}", ab.join(", "));
+        flag.store(was, std::sync::atomic::Ordering::Relaxed);
+        buffers(m)?.seqs = None;
+        Ok(out.join(", "))
+    };
+    println!("streamed experts, register-streamed -> ring kernels (ms a step): {}", ab(&g.moe_ring, &[1, 8, 32, 64])?);
+    println!("lm_head above 32 rows, dense_seqs -> gemm_q4 (ms a step): {}", ab(&g.dense_gemm, &[48, 64])?);
     // per-kernel-family profiles of one step at 8 and 32 sequences, side by side
     let sizes: Vec<usize> = [8, 32].into_iter().filter(|&b| b <= bmax).collect();
     let mut profiles = Vec::new();
@@ -615,7 +603,8 @@ fn op_bytes(m: &crate::model::DeviceModel, st: &crate::seq::DeviceState, op: Ste
 /// moe_align and moe_combine, fall here, with the launch and dependency latency), `run` (first wait return to last
 /// exit) and `early` (first entry to first wait return: how far its blocks got in before their dependency); gap +
 /// run over all launches is the step. Kernels that mark two points (trace_mark) show their blocks' longest stretch
-/// from the wait to mark 1, mark 1 to 2 and mark 2 to the exit (means over launches). A launch is the records of one code in wait order, `nblocks` of them.
+/// from the wait to mark 1, mark 1 to 2 and mark 2 to the exit (means over launches). A launch is the records of one
+/// code in wait order, `nblocks` of them.
 fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
     let mut r = recs.to_vec();
     r.sort_by_key(|x| x.wait);
