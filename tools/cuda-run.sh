@@ -4,8 +4,8 @@
 #                                        filter: an extended regex on bin::name (prefill::, 'batch::|moe_rows', ...)
 #   tools/cuda-run.sh ignored [filter]   the slow full-shape tests
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
-#   tools/cuda-run.sh serve [serve args] tern serve --backend cuda on a full-shape random checkpoint, serve_probe.py,
-#                                        probe_client_cost.py, serve_load.py
+#   tools/cuda-run.sh serve [serve args] the batch-1 bench at ctx 256, then tern serve --backend cuda on a full-shape
+#                                        random checkpoint, serve_probe.py, probe_client_cost.py, serve_load.py
 #   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
 #   tools/cuda-run.sh soak-start SECS [clients], then soak-wait  a soak longer than one call (two calls back to back)
 #   tools/cuda-run.sh moe                tools/moe_bench.cu: the streamed expert kernels alone at B = 1 / 8 / 32 / 64 (each
@@ -92,6 +92,12 @@ serve | soak)
     secs=${1:-300}
     clients=${2:-64}
     shift 2 || shift $#
+  fi
+  if [ "$what" = serve ]; then
+    # the batch-1 bench on this machine first: what one stream through the server is held against (machines differ
+    # by a few percent, more than the criterion's margin)
+    ./.carry/tern bench --backend cuda --random-weights --config .carry/qwen --ctx 256 --repeats 3 2>&1 |
+      grep -E "^ +ctx |^ +256 " | tee "$OUT/bench_b1.txt"
   fi
   ./.carry/tern serve --model $dir --backend cuda --port 8080 --max-concurrent "${MAX_CONCURRENT:-64}" "$@" >"$OUT/serve.log" 2>&1 &
   pid=$!
