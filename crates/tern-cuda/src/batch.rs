@@ -362,17 +362,17 @@ impl DeviceModel {
                 DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
                     let ldp = proj.rows;
                     mark("gdn_in_proj (dense)")?;
-                    g.dense_step(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    g.dense_seqs(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     mark("gdn_step_seqs")?;
                     let st = (&ta, &tb, &sq.posv);
                     g.gdn_step_seqs(&sc.proj, ldp, conv, a_log, dt_bias, st, n, norm, eps, d, &mut sc.xb)?;
                     mark("gdn_out_proj (dense)")?;
-                    g.dense_step(out, &sc.xb, n, &mut sc.x, h, true)?;
+                    g.dense_seqs(out, &sc.xb, n, &mut sc.x, h, true)?;
                 }
                 DMixer::Attn { qkv, o, qn, kn } => {
                     let ldp = qkv.rows;
                     mark("attn_qkv (dense)")?;
-                    g.dense_step(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                    g.dense_seqs(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
                     let kv = (&ta, &tb, &sq.posv);
                     mark("attn_seqs (prep+decode+combine)")?;
@@ -380,7 +380,7 @@ impl DeviceModel {
                     g.attn_decode_seqs(&sq.qbuf, kv, n, (nh, nkv, hd), ns, &mut sq.part)?;
                     g.attn_combine_seqs(&sq.part, &sc.proj, ldp, n, nh, hd, ns, &mut sc.xb)?;
                     mark("attn_o_proj (dense)")?;
-                    g.dense_step(o, &sc.xb, n, &mut sc.x, h, true)?;
+                    g.dense_seqs(o, &sc.xb, n, &mut sc.x, h, true)?;
                 }
             }
             let how = match streamed {
@@ -396,7 +396,7 @@ impl DeviceModel {
             moe_rows(self, li, sc, n, how, held, Some(next), mark)?;
         }
         mark("lm_head (dense) + sample")?;
-        g.dense_step(&self.lm_head, &sc.xb, n, &mut sq.logits, c.vocab_size, false)
+        g.lm_head_seqs(&self.lm_head, &sc.xb, n, &mut sq.logits, c.vocab_size, false)
     }
 }
 
@@ -755,13 +755,13 @@ impl Gpu {
         Ok(())
     }
 
-    /// The batched step's dense products: [`Gpu::dense_seqs`], or the prefill's [`Gpu::gemm_q4`] (weights
-    /// dequantised once per 128-token tile, rounded to bf16) for the lm_head at more than 32 rows, where dense_seqs'
-    /// 8-row tiles dequantise every weight n / 8 times. Measured on the H200 (tern bench): alone, us at n = 32 / 64,
-    /// lm_head 428 / 840 against 429 / 446; in the step (graph A/B) B = 48 / 64 12.77 / 15.16 -> 12.56 / 14.75 ms.
-    /// The other matrices stay with dense_seqs: with in_proj and q|k|v through the GEMM too (alone 43 against 36 us
-    /// at 64), the step at B = 48 was 2% slower (12.79 -> 13.06 ms) and at 64 only 1% faster.
-    pub fn dense_step(
+    /// The batched step's lm_head: [`Gpu::dense_seqs`], or above 32 rows of a vocabulary-sized matrix the prefill's
+    /// [`Gpu::gemm_q4`] (weights dequantised once per 128-token tile, rounded to bf16), where dense_seqs' 8-row tiles
+    /// dequantise every weight n / 8 times. Measured on the H200 (tern bench): alone, us at n = 32 / 64, 428 / 840
+    /// against 429 / 446; in the step (graph A/B) B = 48 / 64 12.77 / 15.16 -> 12.56 / 14.75 ms. The projections stay
+    /// with dense_seqs: with in_proj and q|k|v through the GEMM too (alone 43 against 36 us at 64), the step at B = 48
+    /// was 2% slower (12.79 -> 13.06 ms) and at 64 only 1% faster.
+    pub fn lm_head_seqs(
         &self,
         m: &QMat,
         x: &CudaSlice<u16>,

@@ -598,26 +598,27 @@ fn op_bytes(m: &crate::model::DeviceModel, st: &crate::seq::DeviceState, op: Ste
     }
 }
 
-/// A traced batched step, per kernel family: launches, and per launch the mean of `gap` (from the previous traced
-/// launch's last exit to this one's first wait return: the untraced kernels between them, rmsnorm_rows, topk_rows /
-/// moe_align and moe_combine, fall here, with the launch and dependency latency), `run` (first wait return to last
-/// exit) and `early` (first entry to first wait return: how far its blocks got in before their dependency); gap +
-/// run over all launches is the step. Kernels that mark two points (trace_mark) show their blocks' longest stretch
-/// from the wait to mark 1, mark 1 to 2 and mark 2 to the exit (means over launches). A launch is the records of one
-/// code in wait order, `nblocks` of them.
-fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
+/// One launch of a traced step: its kernel code, blocks, and (ns from the step's first entry) its first entry,
+/// first and last dependency wait, last exit, and the longest wait -> mark 1 -> mark 2 -> exit stretches of its
+/// marked blocks.
+struct TraceLaunch {
+    code: u32,
+    n: usize,
+    pre: u64,
+    w0: u64,
+    w1: u64,
+    end: u64,
+    marks: [u64; 3],
+}
+
+/// The launches of a traced step: the records in wait order, a launch the next `nblocks` of one code (fewer where
+/// the code changes first).
+fn trace_launches(recs: &[TraceRec]) -> Result<Vec<TraceLaunch>> {
     let mut r = recs.to_vec();
     r.sort_by_key(|x| x.wait);
     anyhow::ensure!(!r.is_empty(), "trace: no records");
-    struct L {
-        code: u32,
-        n: usize,
-        pre: u64,
-        w0: u64,
-        end: u64,
-        marks: [u64; 3],
-    }
-    let mut launches: Vec<L> = Vec::new();
+    let t0 = r.iter().map(|x| x.pre).min().unwrap_or(0);
+    let mut launches = Vec::new();
     let mut i = 0;
     while i < r.len() {
         let (code, nb) = (r[i].code, r[i].nblocks);
@@ -626,24 +627,39 @@ fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
             j += 1;
         }
         let g = &r[i..j];
-        // the marked blocks' longest stretches: wait -> mark 1 -> mark 2 -> exit
         let mut marks = [0u64; 3];
         for x in g.iter().filter(|x| x.m1 > 0 && x.m2 > 0) {
             marks[0] = marks[0].max(x.m1.saturating_sub(x.wait));
             marks[1] = marks[1].max(x.m2.saturating_sub(x.m1));
             marks[2] = marks[2].max(x.end.saturating_sub(x.m2));
         }
-        launches.push(L {
+        let span = |f: fn(&TraceRec) -> u64, max: bool| {
+            let v = g.iter().map(f);
+            (if max { v.max() } else { v.min() }).unwrap_or(t0).saturating_sub(t0)
+        };
+        launches.push(TraceLaunch {
             code,
             n: g.len(),
-            pre: g.iter().map(|x| x.pre).min().unwrap_or(0),
-            w0: g.iter().map(|x| x.wait).min().unwrap_or(0),
-            end: g.iter().map(|x| x.end).max().unwrap_or(0),
+            pre: span(|x| x.pre, false),
+            w0: span(|x| x.wait, false),
+            w1: span(|x| x.wait, true),
+            end: span(|x| x.end, true),
             marks,
         });
         i = j;
     }
-    let t0 = launches.iter().map(|l| l.pre).min().unwrap_or(0);
+    Ok(launches)
+}
+
+/// A traced batched step, per kernel family: launches, and per launch the mean of `gap` (from the previous traced
+/// launch's last exit to this one's first wait return: the untraced kernels between them, rmsnorm_rows, topk_rows /
+/// moe_align and moe_combine, fall here, with the launch and dependency latency), `run` (first wait return to last
+/// exit) and `early` (first entry to first wait return: how far its blocks got in before their dependency); gap +
+/// run over all launches is the step. Kernels that mark two points (trace_mark) show their blocks' longest stretch
+/// from the wait to mark 1, mark 1 to 2 and mark 2 to the exit (means over launches). A launch is the records of one
+/// code in wait order, `nblocks` of them.
+fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
+    let launches = trace_launches(recs)?;
     // dense_seqs by the traced launch before and after it
     let name = |k: usize| -> &'static str {
         let code_at = |j: Option<usize>| j.and_then(|j| launches.get(j)).map_or(0, |l| l.code);
@@ -677,7 +693,7 @@ fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
         marks: [u64; 3],
     }
     let mut fam: Vec<Fam> = Vec::new();
-    let mut prev_end = t0;
+    let mut prev_end = 0;
     for (k, l) in launches.iter().enumerate() {
         let f = name(k);
         let i = match fam.iter().position(|t| t.name == f) {
@@ -701,8 +717,8 @@ fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
     println!(
         "  {} launches, {} blocks, {:.1} us from the first entry to the last exit",
         launches.len(),
-        r.len(),
-        (prev_end - t0) as f64 / 1e3
+        recs.len(),
+        prev_end as f64 / 1e3
     );
     println!(
         "  {:<18} {:>8} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9}",
@@ -731,10 +747,7 @@ fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
 /// when its waits returned (first, last), when its last block left; then totals per kernel family, with the
 /// slowest block's time from wait to mark 1, mark 1 to mark 2 and mark 2 to exit where the kernel marks them.
 fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
-    let mut r = recs.to_vec();
-    r.sort_by_key(|x| x.wait);
-    anyhow::ensure!(!r.is_empty(), "trace: no records");
-    let t0 = r.iter().map(|x| x.pre).min().unwrap();
+    let launches = trace_launches(recs)?;
     let name = |code: u32| match code {
         1 => "embed",
         2 => "argmax_partial",
@@ -764,45 +777,9 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         53 => "sample_pre_gather",
         _ => "?",
     };
-    struct L {
-        n: usize,
-        pre: u64,
-        w0: u64,
-        w1: u64,
-        end: u64,
-        marks: [u64; 3],
-    }
-    let mut launches: Vec<(u32, L)> = Vec::new();
-    let mut i = 0;
-    while i < r.len() {
-        let n = (r[i].nblocks as usize).max(1);
-        let g = &r[i..(i + n).min(r.len())];
-        let code = r[i].code;
-        anyhow::ensure!(g.iter().all(|x| x.code == code), "trace: launch grouping broke at record {i}");
-        let mut marks = [0u64; 3];
-        for x in g {
-            if x.m1 > 0 && x.m2 > 0 {
-                marks[0] = marks[0].max(x.m1.saturating_sub(x.wait));
-                marks[1] = marks[1].max(x.m2.saturating_sub(x.m1));
-                marks[2] = marks[2].max(x.end.saturating_sub(x.m2));
-            }
-        }
-        launches.push((
-            code,
-            L {
-                n,
-                pre: g.iter().map(|x| x.pre).min().unwrap() - t0,
-                w0: g.iter().map(|x| x.wait).min().unwrap() - t0,
-                w1: g.iter().map(|x| x.wait).max().unwrap() - t0,
-                end: g.iter().map(|x| x.end).max().unwrap() - t0,
-                marks,
-            },
-        ));
-        i += n;
-    }
     let mut fam: Vec<String> = Vec::new();
     let mut layer = 0usize;
-    for (code, _) in &launches {
+    for TraceLaunch { code, .. } in &launches {
         let f = match code {
             12 | 10 => {
                 let prev = fam.last().map(|s| s.as_str()).unwrap_or("");
@@ -828,7 +805,7 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
     );
     let mut prev_end = 0u64;
     let mut tot: Vec<(String, u64, u64, usize, [u64; 3])> = Vec::new();
-    for (k, ((_, l), f)) in launches.iter().zip(&fam).enumerate() {
+    for (k, (l, f)) in launches.iter().zip(&fam).enumerate() {
         let gap = l.w0.saturating_sub(prev_end);
         let run = l.end.saturating_sub(l.w0);
         if k < 16 || k + 3 >= launches.len() || (f.starts_with("attn") && k < 50) {

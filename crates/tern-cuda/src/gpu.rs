@@ -245,7 +245,7 @@ pub struct Gpu {
     /// `moe_*_ring_t*`; default, `TERN_MOE_RING=0` turns it off): the same results bit for bit, faster. Tests and the
     /// bench set it to compare the two.
     pub moe_ring: std::sync::atomic::AtomicBool,
-    /// The batched step's lm_head at more than 32 rows through the 128-row GEMM (`Gpu::dense_step`;
+    /// The batched step's lm_head at more than 32 rows through the 128-row GEMM (`Gpu::lm_head_seqs`;
     /// `TERN_DENSE_GEMM=0` keeps dense_seqs): the bench A/Bs the two.
     pub dense_gemm: std::sync::atomic::AtomicBool,
     _modules: Vec<Arc<CudaModule>>,

@@ -181,7 +181,7 @@ fn batched_decode_full_shape() {
     let c = full_config();
     let be = CudaBackend::random(&c, 11, CudaOptions::with_context(256)).unwrap();
     let (_, yx) = yardstick();
-    // 16 rows: the 8-row dense products; 40: the tall ones through the 128-row GEMM (Gpu::dense_step)
+    // 16 rows: the 8-row dense products; 40: the lm_head through the 128-row GEMM (Gpu::lm_head_seqs)
     for (b, steps) in [(16, 6), (40, 2)] {
         let seen = compare(&be, b, steps, steps, true);
         let (med, max) = (pct(&seen.dist, 0.5), pct(&seen.dist, 1.0));

@@ -13,16 +13,16 @@
 // Bytes per call: state 2 * Hv*dk*dv*4 (read+write) + ~(K+1)*conv_dim*4. FLOPs ~ 6*Hv*dk*dv.
 // gdn_step_seqs: the same step for B sequences of a batched decode step, P blocks per (value head h, row r), each
 // taking dv / P value columns: grid (Hv P, B), clusters of the P blocks of a head, 128 * ceil(dv / P / 32) threads
-// (warp w: the block's value columns 32 (w % C) + lane, C = ceil(dv / P / 32), and state rows i = w / C + 4 j). Row
-// r's projections proj + r ldp, its ring and state from the pointer tables rings[r] / states[r], its position posv[r]
-// (uploaded by the host before the step, so it may be read before the dependency wait), output bf16 row r (stride
-// ldo) for out_proj. The block's columns of the head's state [dk][dv / P] go through dynamic shared memory (cp.async,
-// issued first; dk * dv / P * 4 bytes, dv / P <= 64 and % 4 == 0); each block computes the head's conv and norms of q and k
+// (warp w: the block's value columns 32 (w % C) + lane, C = ceil(dv / P / 32), and state rows i = w / C + 4 j). Row r's
+// projections proj + r ldp, its ring and state from the pointer tables rings[r] / states[r], its position posv[r]
+// (uploaded by the host before the step, so it may be read before the dependency wait), output bf16 row r (stride ldo)
+// for out_proj. The block's columns of the head's state [dk][dv / P] go through dynamic shared memory (cp.async, issued
+// first; dk * dv / P * 4 bytes, dv / P <= 64 and % 4 == 0); each block computes the head's conv and norms of q and k
 // (the per-32-column blocks of the batch-1 kernel, 4,096 of them at B = 32, took 75 us where the state's bytes take
 // ~31); the gated norm's sum of o^2 is gathered from the cluster. P = dv / 64 where dv allows (64-column blocks of 256
 // threads, 6 a multiprocessor; with the whole head a block of 512, 2 a multiprocessor, B = 32 took 53.6 us a layer).
-// The sums (m, o per column over the 4 row groups in order; o^2 over the head's 32-column chunks in order) are
-// those of gdn_step, so the results are the same bit for bit.
+// The sums (m, o per column over the 4 row groups in order; o^2 over the head's 32-column chunks in order) are those of
+// gdn_step, so the results are the same bit for bit.
 // a traced batched step at B = 32 records 61k blocks of gdn_step_seqs (tern bench --trace): 7.3 MB of records
 #define TRACE_CAP (1 << 17)
 #include "mma.cuh"  // cp_async

@@ -781,18 +781,18 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
 MOE_RING(4, 4)
 MOE_RING(8, 3)
 
-// dense_seqs_w{W}_k{KS}: see the contract at the top. Block: 4 warps over 128 / KS rows; warp w takes the k-blocks
-// of split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the
-// splits' sums meet in shared memory in split order (deterministic). Item starts are clamped to rows - 16 (an item
-// past the end recomputes rows of the one before and stores only its own). Shared memory: xs [cz / 8 * MM_TG]
-// uint4 | xsum [nk][MM_TG] | scales, biases [2][128 / KS][sst] | partials [KS - 1][128 / KS rows x 8 tokens] |
-// the block's sums [128 / KS rows][8 tokens] (read by its cluster). Where even that leaves the GPU idle (2,048-row
-// matrices at B <= 8: 64 blocks of 4 warps), the columns are also split over gridDim.z = KZ blocks (cz = cols / KZ
-// each, staged alone), launched as one cluster: each leaves its sums in its shared memory, and after a cluster
-// barrier the block of rank 0 adds the KZ blocks' sums in z order into y (the same bits as the one-block sum would
-// give: a partial sum per range, then the ranges in order). Before, the blocks wrote their sums to global memory,
-// fenced, counted themselves with an atomic and the last one re-read them: out_proj at B = 8 13.5 -> 11.0 us a launch
-// (tern bench --trace, from its first dependency wait to its last exit).
+// dense_seqs_w{W}_k{KS}: see the contract at the top. Block: 4 warps over 128 / KS rows; warp w takes the k-blocks of
+// split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the splits'
+// sums meet in shared memory in split order (deterministic). Item starts are clamped to rows - 16 (an item past the end
+// recomputes rows of the one before and stores only its own). Shared memory: xs [cz / 8 * MM_TG] uint4 |
+// xsum [nk][MM_TG] | scales, biases [2][128 / KS][sst] | partials [KS - 1][128 / KS rows x 8 tokens] |
+// the block's sums [128 / KS rows][8 tokens] (read by its cluster where KZ > 1). Where even that leaves the GPU idle
+// (2,048-row matrices at B <= 8: 64 blocks of 4 warps), the columns are also split over gridDim.z = KZ blocks (cz =
+// cols / KZ each, staged alone), launched as one cluster: each leaves its sums in its shared memory, and after a
+// cluster barrier the block of rank 0 adds the KZ blocks' sums in z order into y (the same bits as the one-block sum
+// would give: a partial sum per range, then the ranges in order). Before, the blocks wrote their sums to global
+// memory, fenced, counted themselves with an atomic and the last one re-read them: out_proj at B = 8 13.5 -> 11.0 us a
+// launch (tern bench --trace, from its first dependency wait to its last exit).
 template <int W, int KS>
 __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                                           const __nv_bfloat16* __restrict__ b, int rows, int cols, int gshift,
