@@ -23,6 +23,7 @@ use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, Stat
 
 use crate::batch::{Draw, RowWant, MAX_SEQS};
 use crate::pool::PoolFull;
+use crate::prefill::pass_fits;
 use crate::sample::SampleBatch;
 use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState};
 
@@ -216,17 +217,16 @@ impl Backend for CudaSlots {
             let prompts: Vec<usize> = (0..work.len())
                 .filter(|&i| out[i].is_none() && work[i].ids.len() > 1 && !matches!(work[i].out, Want::All))
                 .collect();
-            let (mut group, mut tokens) = (Vec::new(), 0);
+            let (chunk, mut group) = (self.step_tokens(), Vec::<usize>::new());
             let mut prefills = Vec::new();
+            let fits = |g: &[usize], k: usize| pass_fits(chunk, g.iter().map(|&j| work[j].ids.len()).chain([k]));
             for i in prompts {
                 let k = work[i].ids.len();
-                if group.len() == MAX_SEQS || (tokens + k > self.step_tokens() && !group.is_empty()) {
+                if group.len() == MAX_SEQS || (!group.is_empty() && !fits(&group, k)) {
                     prefills.push(std::mem::take(&mut group));
-                    tokens = 0;
                 }
-                if k <= self.step_tokens() {
+                if fits(&[], k) {
                     group.push(i);
-                    tokens += k;
                 }
             }
             prefills.push(group);

@@ -18,7 +18,8 @@
 //!   row's draw (crates/tern-cuda/src/sample.rs: greedy rows are temperature-0 draws below their limit).
 //!
 //! [`DeviceModel::prefill_seqs`] does the same for prompt chunks of several sequences: the projections and the MoE
-//! over all their rows at once, each sequence's GDN and attention on its own rows with the prefill's kernels, then
+//! over all their rows at once, the prefill's GDN and attention kernels over all of them too (each row on its own
+//! sequence's state, through the pass tables), then
 //! the last rows' lm_head and draws; it leaves each sequence bit for bit as its own prefill would where both passes
 //! take the same router and expert kernels (both of at most `STREAM_MAX_TOKENS` rows, or both longer).
 //!
@@ -36,10 +37,11 @@ use crate::gpu::{cfg, Gpu};
 use crate::gpu::{Experts, QMat};
 use crate::model::{DMixer, DeviceModel};
 use crate::prefill::{
-    check_dense, log2_exact, moe_rows, scratch_rows, GdnDims, MoeExperts, MoeSorted, PrefillBuffers, Routes, SMEM_MAX,
+    check_dense, log2_exact, moe_rows, pass_fits, scratch_rows, tables, GdnDims, MoeExperts, MoeSorted, PassTables,
+    PrefillBuffers, Routes, SMEM_MAX,
 };
 use crate::sample::SampleBatch;
-use crate::seq::{DeviceState, LState, Profile};
+use crate::seq::{DeviceState, Profile};
 use tern_engine::{Sample, Sampled, SamplingParams};
 
 /// The most sequences one batched step takes (a larger batch is split by the caller).
@@ -91,22 +93,17 @@ pub struct RowOut {
     pub logits: Option<Vec<f32>>,
 }
 
-/// The batched step's own buffers (the activation rows are the prefill's [`crate::prefill::Scratch`]): positions,
-/// the per-layer pointer tables, attention queries and split partials, logits of [`MAX_SEQS`] rows.
+/// The batched step's own buffers (the activation rows are the prefill's [`crate::prefill::Scratch`], the pointer
+/// tables and positions its [`PassTables`]): attention queries and split partials, logits of [`MAX_SEQS`] rows.
 pub struct SeqScratch {
-    posv: CudaSlice<i32>,
-    /// `[layers, MAX_SEQS]`: GDN conv ring / attention K cache of each row's sequence.
-    tab_a: CudaSlice<u64>,
-    /// `[layers, MAX_SEQS]`: GDN recurrent state / attention V cache.
-    tab_b: CudaSlice<u64>,
     qbuf: CudaSlice<f32>,
     part: CudaSlice<f32>,
     logits: CudaSlice<f32>,
-    /// The multi-sequence prefill's buffers, allocated on its first use.
-    multi: Option<MultiScratch>,
+    /// The multi-sequence prefill's last hidden row of every sequence.
+    last: CudaSlice<f32>,
     /// The batched pass captured as a CUDA graph, by (rows, attention splits, family left out): every address it
-    /// bakes in is one of these buffers (pointer tables and positions are uploaded before each launch) or of the
-    /// pass's scratch rows, whose address at capture is `graph_x` (a reallocation clears them).
+    /// bakes in is one of these buffers, of the [`PassTables`] (allocated once; uploaded before each launch) or of
+    /// the pass's scratch rows, whose address at capture is `graph_x` (a reallocation clears them).
     graphs: PassGraphs,
     graph_x: u64,
 }
@@ -119,15 +116,6 @@ struct PassGraphs(HashMap<(usize, usize, Option<String>), CudaGraph>);
 // them (cudarc's CudaGraph holds raw handles, which are not Send by default; the context they belong to is).
 unsafe impl Send for PassGraphs {}
 
-/// One sequence's rows of a multi-sequence prefill, moved out of (and back into) the pass's row buffers: its
-/// projections `[cap, proj rows]`, its mixer output `[cap, wide]` (bf16), and every sequence's last hidden row.
-struct MultiScratch {
-    cap: usize,
-    proj: CudaSlice<f32>,
-    xb: CudaSlice<u16>,
-    last: CudaSlice<f32>,
-}
-
 impl SeqScratch {
     pub fn new(m: &DeviceModel) -> Result<SeqScratch> {
         let (g, c) = (&*m.gpu, &m.config);
@@ -135,13 +123,10 @@ impl SeqScratch {
         let n = MAX_SEQS;
         let alloc = || -> Result<SeqScratch> {
             Ok(SeqScratch {
-                posv: g.zeros(n)?,
-                tab_a: g.zeros(m.layers.len() * n)?,
-                tab_b: g.zeros(m.layers.len() * n)?,
                 qbuf: g.zeros(n * nh * hd)?,
                 part: g.zeros(n * nh * MAX_SPLIT * (hd + 2))?,
                 logits: g.zeros(n * c.vocab_size)?,
-                multi: None,
+                last: g.zeros(n * c.hidden_size)?,
                 graphs: PassGraphs::default(),
                 graph_x: 0,
             })
@@ -151,10 +136,7 @@ impl SeqScratch {
 
     /// Device bytes these buffers hold.
     pub fn bytes(&self) -> usize {
-        let multi = self.multi.as_ref().map_or(0, |m| 4 * (m.proj.len() + m.last.len()) + 2 * m.xb.len());
-        4 * (self.posv.len() + self.qbuf.len() + self.part.len() + self.logits.len())
-            + 8 * (self.tab_a.len() + self.tab_b.len())
-            + multi
+        4 * (self.qbuf.len() + self.part.len() + self.logits.len() + self.last.len())
     }
 }
 
@@ -209,20 +191,6 @@ impl DeviceModel {
             ensure!(layers == self.layers.len(), "decode_seqs: routes for {layers} layers, not {}", self.layers.len());
         }
         let nkv = c.num_key_value_heads;
-        let nl = self.layers.len();
-        // per-layer pointer tables, [layer][row]
-        let (mut ta, mut tb) = (vec![0u64; nl * n], vec![0u64; nl * n]);
-        for (r, s) in seqs.iter().enumerate() {
-            for (li, (l, ls)) in self.layers.iter().zip(&s.layers).enumerate() {
-                let (a, b) = match (&l.mixer, ls) {
-                    (DMixer::Gdn { .. }, LState::Gdn { ring, s }) => (ring.ptr, s.ptr),
-                    (DMixer::Attn { .. }, LState::Attn { k, v }) => (k.ptr, v.ptr),
-                    _ => bail!("layer {li}: state does not match the model's layer kind"),
-                };
-                ta[li * n + r] = a;
-                tb[li * n + r] = b;
-            }
-        }
         let posv: Vec<i32> = seqs.iter().map(|s| s.len as i32).collect();
         // the splits depend on the capacity, not the lengths, so that a captured pass serves any positions
         let max_ctx = seqs.iter().map(|s| s.max_ctx).max().unwrap_or(1);
@@ -230,16 +198,16 @@ impl DeviceModel {
 
         let mut guard =
             self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, graphs, omit } = &mut *guard;
+        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, tables: tslot, graphs, omit } = &mut *guard;
         let use_graph = *graphs && prof.is_none() && routes.is_none();
         let sc = scratch_rows(scratch, self, n.max(*chunk))?;
         if seq_scratch.is_none() {
             *seq_scratch = Some(SeqScratch::new(self)?);
         }
         let sq = seq_scratch.as_mut().context("batched decode buffers")?;
-        g.stream.memcpy_htod(&posv, &mut sq.posv.slice_mut(..n))?;
-        g.stream.memcpy_htod(&ta, &mut sq.tab_a.slice_mut(..nl * n))?;
-        g.stream.memcpy_htod(&tb, &mut sq.tab_b.slice_mut(..nl * n))?;
+        let t = tables(tslot, self)?;
+        t.set_states(self, seqs.iter().map(|s| &**s))?;
+        g.stream.memcpy_htod(&posv, &mut t.posv.slice_mut(..n))?;
 
         let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         g.stream.memcpy_htod(&v, &mut sc.ids.slice_mut(..n))?;
@@ -250,7 +218,7 @@ impl DeviceModel {
         if use_graph {
             // kernels only from here to the logits: one graph per shape, captured on first use; a capture that
             // fails turns graphs off for good (the kernels then launch one by one: slower, same results)
-            match self.replay_pass(sc, sq, pass, omit.as_deref()) {
+            match self.replay_pass(sc, sq, t, pass, omit.as_deref()) {
                 Ok(()) => graphed = true,
                 Err(e) => {
                     *graphs = false;
@@ -267,7 +235,7 @@ impl DeviceModel {
                 }
                 Ok(())
             };
-            self.batched_pass(sc, sq, pass, routes, &mut mark)?;
+            self.batched_pass(sc, sq, t, pass, routes, &mut mark)?;
         }
         let out = draw_rows(g, vocab, want, &mut sq.logits)?;
         if prof.is_some() {
@@ -306,6 +274,7 @@ impl DeviceModel {
         &self,
         sc: &mut crate::prefill::Scratch,
         sq: &mut SeqScratch,
+        t: &PassTables,
         pass: PassShape,
         omit: Option<&str>,
     ) -> Result<()> {
@@ -324,7 +293,7 @@ impl DeviceModel {
                 g.omit.store(omit == Some(name), std::sync::atomic::Ordering::Relaxed);
                 Ok(())
             };
-            let r = self.batched_pass(sc, sq, pass, None, &mut mark);
+            let r = self.batched_pass(sc, sq, t, pass, None, &mut mark);
             g.omit.store(false, std::sync::atomic::Ordering::Relaxed);
             let graph = st.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
             r?;
@@ -342,6 +311,7 @@ impl DeviceModel {
         &self,
         sc: &mut crate::prefill::Scratch,
         sq: &mut SeqScratch,
+        t: &PassTables,
         PassShape { n, ns, streamed }: PassShape,
         mut routes: Option<StepRoutes>,
         mark: &mut dyn FnMut(&'static str) -> Result<()>,
@@ -352,7 +322,7 @@ impl DeviceModel {
         mark("embed")?;
         g.embed_rows_dev(&self.embed, &sc.ids, n, &mut sc.x)?;
         for (li, l) in self.layers.iter().enumerate() {
-            let (ta, tb) = (sq.tab_a.slice(li * n..(li + 1) * n), sq.tab_b.slice(li * n..(li + 1) * n));
+            let (ta, tb) = t.layer(li);
             if li == 0 {
                 // later layers' input norms and the final norm go with the combine before them (moe_rows)
                 mark("rmsnorm")?;
@@ -364,7 +334,7 @@ impl DeviceModel {
                     mark("gdn_in_proj (dense)")?;
                     g.dense_seqs(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     mark("gdn_step_seqs")?;
-                    let st = (&ta, &tb, &sq.posv);
+                    let st = (&ta, &tb, &t.posv);
                     g.gdn_step_seqs(&sc.proj, ldp, conv, a_log, dt_bias, st, n, norm, eps, d, &mut sc.xb)?;
                     mark("gdn_out_proj (dense)")?;
                     g.dense_seqs(out, &sc.xb, n, &mut sc.x, h, true)?;
@@ -374,7 +344,7 @@ impl DeviceModel {
                     mark("attn_qkv (dense)")?;
                     g.dense_seqs(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
-                    let kv = (&ta, &tb, &sq.posv);
+                    let kv = (&ta, &tb, &t.posv);
                     mark("attn_seqs (prep+decode+combine)")?;
                     g.attn_prep_seqs(&sc.proj, ldp, qn, kn, kv, n, dims, theta, eps, &mut sq.qbuf)?;
                     g.attn_decode_seqs(&sq.qbuf, kv, n, (nh, nkv, hd), ns, &mut sq.part)?;
@@ -402,9 +372,9 @@ impl DeviceModel {
 
 impl DeviceModel {
     /// Read a prompt chunk for each of up to [`MAX_SEQS`] sequences (`chunks[r]` into `seqs[r]`, distinct sequences,
-    /// at most the prefill chunk's tokens in all) in one pass: the projections, the router and the experts run once
-    /// over every sequence's rows together; each sequence's Gated DeltaNet and attention run on its own rows (the
-    /// prefill's kernels, rows moved to and from a per-sequence buffer), continuing from what it holds. Then each
+    /// at most the prefill chunk's tokens and chunks in all: [`crate::prefill::pass_fits`]) in one pass: the projections, the router and the experts run once
+    /// over every sequence's rows together, and so do the prefill's GDN and attention kernels, each row (and chunk of
+    /// 64) on its own sequence's state through the pass tables, continuing from what it holds. Then each
     /// sequence's last row gives its logits and draw as `want[r]` says. Every row's arithmetic is that of the
     /// one-sequence prefill ([`DeviceState::prefill`]) of as many rows as the pass, so the state left behind is the
     /// same bit for bit as the sequence's own prefill where both take the same router and expert kernels (both passes
@@ -439,36 +409,23 @@ impl DeviceModel {
         let total: usize = chunks.iter().map(|c| c.len()).sum();
         let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let proj_rows = self.layers.iter().map(|l| match &l.mixer {
-            DMixer::Gdn { proj, .. } => proj.rows,
-            DMixer::Attn { qkv, .. } => qkv.rows,
-        });
-        let proj_rows = proj_rows.max().unwrap_or(0);
-        let wide = h.max(d.hv * d.dv).max(nh * hd);
-        let longest = chunks.iter().map(|c| c.len()).max().unwrap_or(1);
         let mut guard =
             self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, .. } = &mut *guard;
-        ensure!(total <= *chunk, "a multi-sequence prefill of {total} tokens over the prefill chunk of {chunk}");
+        ensure!(
+            pass_fits(guard.chunk, chunks.iter().map(|c| c.len())),
+            "a multi-sequence prefill of {total} tokens in {n} sequences over the prefill chunk of {}",
+            guard.chunk
+        );
+        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, tables: tslot, .. } = &mut *guard;
         let sc = scratch_rows(scratch, self, *chunk)?;
         if seq_scratch.is_none() {
             *seq_scratch = Some(SeqScratch::new(self)?);
         }
         let sq = seq_scratch.as_mut().context("batched decode buffers")?;
-        if sq.multi.as_ref().is_none_or(|m| m.cap < longest) {
-            sq.multi = None;
-            let cap = *chunk;
-            let alloc = || -> Result<MultiScratch> {
-                Ok(MultiScratch {
-                    cap,
-                    proj: g.zeros(cap * proj_rows)?,
-                    xb: g.zeros(cap * wide)?,
-                    last: g.zeros(MAX_SEQS * h)?,
-                })
-            };
-            sq.multi = Some(alloc().context("cannot allocate the multi-sequence prefill buffers")?);
-        }
-        let ms = sq.multi.as_mut().context("multi-sequence prefill buffers")?;
+        let t = tables(tslot, self)?;
+        t.set_states(self, seqs.iter().map(|s| &**s))?;
+        let rows: Vec<(usize, usize)> = seqs.iter().zip(chunks).map(|(s, ids)| (ids.len(), s.len)).collect();
+        t.segs.set(g, &rows)?;
         let all: Vec<u32> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
         let starts: Vec<usize> = chunks.iter().scan(0, |r, c| Some(std::mem::replace(r, *r + c.len()))).collect();
         g.embed_rows(&self.embed, &all, &mut sc.ids, &mut sc.x)?;
@@ -477,52 +434,37 @@ impl DeviceModel {
             if li == 0 {
                 g.rmsnorm_rows(&sc.x, total, &l.in_norm, eps, &mut sc.xb, None)?;
             }
-            let (ldp, out_cols) = match &l.mixer {
-                DMixer::Gdn { proj, out, .. } => (proj.rows, out.cols),
-                DMixer::Attn { qkv, o, .. } => (qkv.rows, o.cols),
-            };
-            let in_mat = match &l.mixer {
-                DMixer::Gdn { proj, .. } => proj,
-                DMixer::Attn { qkv, .. } => qkv,
-            };
-            g.gemm_q4(in_mat, &sc.xb, total, &mut sc.proj, ldp, false)?;
-            for (r, st) in seqs.iter_mut().enumerate() {
-                let (r0, k, pos0) = (starts[r], chunks[r].len(), st.len);
-                g.stream.memcpy_dtod(&sc.proj.slice(r0 * ldp..(r0 + k) * ldp), &mut ms.proj.slice_mut(..k * ldp))?;
-                match (&l.mixer, &mut st.layers[li]) {
-                    (DMixer::Gdn { conv, a_log, dt_bias, norm, .. }, LState::Gdn { ring, s }) => {
-                        let (qkv, beta, gl) = (&mut sc.qkv, &mut sc.beta, &mut sc.gl);
-                        g.gdn_prep(&ms.proj, ldp, ring, conv, a_log, dt_bias, d, pos0, k, qkv, beta, gl)?;
-                        g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, k, d, &mut sc.chunks)?;
-                        g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, k, d, s, &mut sc.o)?;
-                        g.gdn_ring(&ms.proj, ldp, d, pos0, k, ring)?;
-                        g.gdn_gated_norm(&sc.o, &ms.proj, ldp, k, d, norm, eps, &mut ms.xb)?;
-                    }
-                    (DMixer::Attn { qn, kn, .. }, LState::Attn { k: kc, v: vc }) => {
-                        let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
-                        g.attn_prep_rows(&ms.proj, ldp, qn, kn, pos0, k, dims, theta, eps, &mut sc.qb, kc, vc)?;
-                        g.flash_prefill(&sc.qb, kc, vc, &ms.proj, ldp, k, pos0, (nh, nkv, hd), &mut ms.xb)?;
-                    }
-                    _ => bail!("layer {li}: state does not match the model's layer kind"),
+            let (ta, tb) = t.layer(li);
+            let segs = &t.segs;
+            match &l.mixer {
+                DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
+                    let ldp = proj.rows;
+                    g.gemm_q4(proj, &sc.xb, total, &mut sc.proj, ldp, false)?;
+                    let (qkv, beta, gl) = (&mut sc.qkv, &mut sc.beta, &mut sc.gl);
+                    g.gdn_prep(&sc.proj, ldp, &ta, conv, a_log, dt_bias, d, segs, qkv, beta, gl)?;
+                    g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, segs, d, &mut sc.chunks)?;
+                    g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, segs, d, &tb, &mut sc.o)?;
+                    g.gdn_ring(&sc.proj, ldp, d, segs, &ta)?;
+                    g.gdn_gated_norm(&sc.o, &sc.proj, ldp, total, d, norm, eps, &mut sc.xb)?;
+                    g.gemm_q4(out, &sc.xb, total, &mut sc.x, h, true)?;
                 }
-                g.stream.memcpy_dtod(
-                    &ms.xb.slice(..k * out_cols),
-                    &mut sc.xb.slice_mut(r0 * out_cols..(r0 + k) * out_cols),
-                )?;
+                DMixer::Attn { qkv, o, qn, kn } => {
+                    let ldp = qkv.rows;
+                    g.gemm_q4(qkv, &sc.xb, total, &mut sc.proj, ldp, false)?;
+                    let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
+                    g.attn_prep_rows(&sc.proj, ldp, qn, kn, segs, dims, theta, eps, &mut sc.qb, (&ta, &tb))?;
+                    g.flash_prefill(&sc.qb, (&ta, &tb), &sc.proj, ldp, segs, (nh, nkv, hd), &mut sc.xb)?;
+                    g.gemm_q4(o, &sc.xb, total, &mut sc.x, h, true)?;
+                }
             }
-            let out_mat = match &l.mixer {
-                DMixer::Gdn { out, .. } => out,
-                DMixer::Attn { o, .. } => o,
-            };
-            g.gemm_q4(out_mat, &sc.xb, total, &mut sc.x, h, true)?;
             let next = self.layers.get(li + 1).map(|l| &l.in_norm);
             moe_rows(self, li, sc, total, self.prefill_experts(total), None, next, &mut no_mark)?;
         }
         for (r, k) in chunks.iter().map(|c| c.len()).enumerate() {
             let last = starts[r] + k - 1;
-            g.stream.memcpy_dtod(&sc.x.slice(last * h..(last + 1) * h), &mut ms.last.slice_mut(r * h..(r + 1) * h))?;
+            g.stream.memcpy_dtod(&sc.x.slice(last * h..(last + 1) * h), &mut sq.last.slice_mut(r * h..(r + 1) * h))?;
         }
-        g.rmsnorm_rows(&ms.last, n, &self.norm, eps, &mut sc.xb, None)?;
+        g.rmsnorm_rows(&sq.last, n, &self.norm, eps, &mut sc.xb, None)?;
         g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, vocab, false)?;
         let out = draw_rows(g, vocab, want, &mut sq.logits)?;
         g.stream.synchronize()?;

@@ -22,10 +22,10 @@
 use std::sync::Mutex;
 
 use anyhow::{bail, ensure, Context, Result};
-use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice};
+use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, CudaView};
 use tern_model::{Config, LayerKind};
 
-use crate::gpu::{cfg, DevBuf, Experts, Funcs, Gpu, QMat, NULL};
+use crate::gpu::{cfg, Experts, Funcs, Gpu, QMat, NULL};
 use crate::model::{DMixer, DeviceModel};
 use crate::seq::{DeviceState, LState, Profile};
 
@@ -128,10 +128,128 @@ impl GdnDims {
         );
         Ok(())
     }
-    /// Scratch floats of the chunked kernels for `n` tokens: (U, W, P, G).
-    fn chunk_sizes(&self, n: usize) -> (usize, usize, usize, usize) {
-        let ch = n.div_ceil(GDN_CHUNK) * self.hv * GDN_CHUNK;
-        (ch * self.dv, ch * self.dk, ch * GDN_CHUNK, ch)
+    /// Scratch floats of the chunked kernels for `chunks` chunks of 64 tokens: (U, W, P, G, chunk states).
+    fn chunk_sizes(&self, chunks: usize) -> [usize; 5] {
+        let ch = chunks * self.hv * GDN_CHUNK;
+        [ch * self.dv, ch * self.dk, ch * GDN_CHUNK, ch, chunks * self.hv * self.dk * self.dv]
+    }
+}
+
+/// The 64-row chunks a sequence's `rows` new rows take in a prefill pass (GDN chunks, flash query tiles).
+pub fn pass_chunks(rows: usize) -> usize {
+    rows.div_ceil(GDN_CHUNK)
+}
+
+/// The sequences of a prefill pass as its per-sequence kernels read them (`Seg` in common.cuh): sequence s owns
+/// the next `rows` rows of the pass after the sequences before it, from its position `pos0` on, and the next
+/// [`pass_chunks`]`(rows)` chunks; `[first row, rows, pos0, first chunk]` per sequence on the device. A pass of
+/// one sequence is one entry.
+pub struct SegTable {
+    dev: CudaSlice<i32>,
+    n: usize,
+    rows: usize,
+    chunks: usize,
+}
+
+impl SegTable {
+    /// A table with room for `max` sequences (empty until [`SegTable::set`]).
+    pub fn new(g: &Gpu, max: usize) -> Result<SegTable> {
+        Ok(SegTable { dev: g.zeros(4 * max.max(1))?, n: 0, rows: 0, chunks: 0 })
+    }
+
+    /// Upload the sequences of a pass: `(rows, pos0)` each, every one at least one row.
+    pub fn set(&mut self, g: &Gpu, seqs: &[(usize, usize)]) -> Result<()> {
+        let max = self.dev.len() / 4;
+        ensure!(!seqs.is_empty() && seqs.len() <= max, "a prefill pass of {} sequences (1..={max})", seqs.len());
+        let (mut host, mut rows, mut chunks) = (Vec::with_capacity(4 * seqs.len()), 0usize, 0usize);
+        for &(k, pos0) in seqs {
+            ensure!(k > 0, "a sequence of a prefill pass without rows");
+            ensure!(rows + k + pos0 <= i32::MAX as usize, "a prefill pass past 2^31 rows or positions");
+            host.extend([rows, k, pos0, chunks].map(|v| v as i32));
+            rows += k;
+            chunks += pass_chunks(k);
+        }
+        g.stream.memcpy_htod(&host, &mut self.dev.slice_mut(..host.len()))?;
+        (self.n, self.rows, self.chunks) = (seqs.len(), rows, chunks);
+        Ok(())
+    }
+
+    /// Sequences, rows and chunks of the pass.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    pub fn chunks(&self) -> usize {
+        self.chunks
+    }
+}
+
+/// The tables a pass over several sequences reads the sequences' state through, uploaded before it (the
+/// prefill's kernels and the batched decode's `_seqs` kernels): per layer, each sequence's GDN conv ring or
+/// attention K cache (`a`) and GDN recurrent state or V cache (`b`), `[layer][sequence]` packed by the pass's
+/// count; the decode rows' positions; the prefill's [`SegTable`]. Allocated once for [`crate::batch::MAX_SEQS`]
+/// sequences, so captured graphs may bake their addresses in.
+pub struct PassTables {
+    a: CudaSlice<u64>,
+    b: CudaSlice<u64>,
+    pub(crate) posv: CudaSlice<i32>,
+    pub(crate) segs: SegTable,
+    n: usize,
+}
+
+impl PassTables {
+    pub fn new(m: &DeviceModel) -> Result<PassTables> {
+        let (g, n) = (&*m.gpu, crate::batch::MAX_SEQS);
+        let layers = m.layers.len();
+        let alloc = || -> Result<PassTables> {
+            Ok(PassTables {
+                a: g.zeros(layers * n)?,
+                b: g.zeros(layers * n)?,
+                posv: g.zeros(n)?,
+                segs: SegTable::new(g, n)?,
+                n: 0,
+            })
+        };
+        alloc().context("cannot allocate the pass tables")
+    }
+
+    /// Upload every layer's state pointers of `seqs` (at most [`crate::batch::MAX_SEQS`]).
+    pub(crate) fn set_states<'s>(
+        &mut self,
+        m: &DeviceModel,
+        seqs: impl ExactSizeIterator<Item = &'s DeviceState>,
+    ) -> Result<()> {
+        let (n, nl) = (seqs.len(), m.layers.len());
+        ensure!(n * nl <= self.a.len(), "pass tables for {n} sequences");
+        let (mut ta, mut tb) = (vec![0u64; nl * n], vec![0u64; nl * n]);
+        for (r, s) in seqs.enumerate() {
+            ensure!(s.layers.len() == nl, "a sequence of another model");
+            for (li, (l, ls)) in m.layers.iter().zip(&s.layers).enumerate() {
+                let (a, b) = match (&l.mixer, ls) {
+                    (DMixer::Gdn { .. }, LState::Gdn { ring, s }) => (ring.ptr, s.ptr),
+                    (DMixer::Attn { .. }, LState::Attn { k, v }) => (k.ptr, v.ptr),
+                    _ => bail!("layer {li}: state does not match the model's layer kind"),
+                };
+                ta[li * n + r] = a;
+                tb[li * n + r] = b;
+            }
+        }
+        m.gpu.stream.memcpy_htod(&ta, &mut self.a.slice_mut(..nl * n))?;
+        m.gpu.stream.memcpy_htod(&tb, &mut self.b.slice_mut(..nl * n))?;
+        self.n = n;
+        Ok(())
+    }
+
+    /// Layer `li`'s tables `(a, b)` of the sequences last set.
+    pub(crate) fn layer(&self, li: usize) -> (CudaView<'_, u64>, CudaView<'_, u64>) {
+        let n = self.n;
+        (self.a.slice(li * n..(li + 1) * n), self.b.slice(li * n..(li + 1) * n))
+    }
+
+    pub fn bytes(&self) -> usize {
+        8 * (self.a.len() + self.b.len()) + 4 * (self.posv.len() + self.segs.dev.len())
     }
 }
 
@@ -458,111 +576,111 @@ impl Gpu {
         Ok(())
     }
 
-    /// Conv + SiLU + l2-norms + gates of a GDN layer for `n` tokens at positions `pos0..`: from `proj` (`[n, ldp]`:
-    /// qkv | z | b | a) and the ring of earlier conv inputs to `qkv` `[n, conv_dim]`, `beta`/`gl` `[n, hv]`.
+    /// Conv + SiLU + l2-norms + gates of a GDN layer for the pass's rows (`segs`): from `proj` (`[rows, ldp]`: qkv | z
+    /// | b | a) and each sequence's ring of earlier conv inputs (`rings[s]`, `[taps, conv_dim]` f32) to `qkv` `[rows,
+    /// conv_dim]`, `beta`/`gl` `[rows, hv]`.
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_prep(
         &self,
         proj: &CudaSlice<f32>,
         ldp: usize,
-        ring: &impl DevBuf<f32>,
+        rings: &CudaView<u64>,
         conv_w: &CudaSlice<f32>,
         a_log: &CudaSlice<f32>,
         dt_bias: &CudaSlice<f32>,
         d: GdnDims,
-        pos0: usize,
-        n: usize,
+        segs: &SegTable,
         qkv: &mut CudaSlice<f32>,
         beta: &mut CudaSlice<f32>,
         gl: &mut CudaSlice<f32>,
     ) -> Result<()> {
         d.check()?;
-        let cd = d.conv_dim();
+        let (cd, n) = (d.conv_dim(), segs.rows);
         ensure!(
             n > 0 && ldp >= cd + d.hv * d.dv + 2 * d.hv && proj.len() >= (n - 1) * ldp + cd + d.hv * d.dv + 2 * d.hv,
             "gdn_prep: proj"
         );
-        ensure!(ring.len() >= d.taps * cd && conv_w.len() >= cd * d.taps, "gdn_prep: ring / conv weights");
+        ensure!(rings.len() >= segs.n && conv_w.len() >= cd * d.taps, "gdn_prep: ring table / conv weights");
         ensure!(a_log.len() >= d.hv && dt_bias.len() >= d.hv && d.hv <= 256, "gdn_prep: gate vectors");
         ensure!(qkv.len() >= n * cd && beta.len() >= n * d.hv && gl.len() >= n * d.hv, "gdn_prep: outputs");
-        let v = [ldp, d.hk, d.hv, d.dk, d.dv, d.taps, pos0].map(|v| v as i32);
+        let v = [ldp, d.hk, d.hv, d.dk, d.dv, d.taps, segs.n].map(|v| v as i32);
         let mut l = self.launcher(&self.f.gdn_prep);
-        l.arg(proj).arg(&v[0]).arg(ring).arg(conv_w).arg(a_log).arg(dt_bias).arg(&v[1]).arg(&v[2]).arg(&v[3]);
-        l.arg(&v[4]).arg(&v[5]).arg(&v[6]).arg(&*qkv).arg(&*beta).arg(&*gl);
-        // SAFETY: matches gdn_prep (prefill.cu); one block per token, buffers checked above (dk <= 128: 4 channels per
-        // lane; hv <= 256 threads for the gates).
+        l.arg(proj).arg(&v[0]).arg(rings).arg(conv_w).arg(a_log).arg(dt_bias).arg(&v[1]).arg(&v[2]).arg(&v[3]);
+        l.arg(&v[4]).arg(&v[5]).arg(&segs.dev).arg(&v[6]).arg(&*qkv).arg(&*beta).arg(&*gl);
+        // SAFETY: matches gdn_prep (prefill.cu); one block per row, buffers checked above (dk <= 128: 4 channels per
+        // lane; hv <= 256 threads for the gates); the ring table holds a whole ring per sequence of the table (its
+        // builder's contract: PassTables::set_states, or the caller's own table of live buffers).
         unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
         Ok(())
     }
 
-    /// Chunked delta rule, phase 1: U, W, P, G of every chunk of 64 tokens and value head.
-    #[allow(clippy::too_many_arguments)]
+    /// Chunked delta rule, phase 1: U, W, P, G of every chunk of 64 tokens of each sequence, and value head.
     pub fn gdn_chunk_prep(
         &self,
         qkv: &CudaSlice<f32>,
         beta: &CudaSlice<f32>,
         gl: &CudaSlice<f32>,
-        n: usize,
+        segs: &SegTable,
         d: GdnDims,
         sc: &mut GdnChunkScratch,
     ) -> Result<()> {
         d.check()?;
+        let n = segs.rows;
         ensure!(d.dk + d.dv <= 256 && d.dv % 4 == 0, "gdn_chunk_prep: key + value head dims over 256 (or dv % 4)");
         ensure!(
             n > 0 && qkv.len() >= n * d.conv_dim() && beta.len() >= n * d.hv && gl.len() >= n * d.hv,
             "gdn_chunk_prep: inputs"
         );
-        let (u, w, p, g) = d.chunk_sizes(n);
-        ensure!(sc.u.len() >= u && sc.w.len() >= w && sc.p.len() >= p && sc.g.len() >= g, "gdn_chunk_prep: scratch");
+        ensure!(sc.holds(d, segs.chunks), "gdn_chunk_prep: scratch for {} chunks", segs.chunks);
         let smem = (GDN_CHUNK * (d.dk + 4) * 2 + GDN_CHUNK * (GDN_CHUNK + 1) + GDN_CHUNK * (d.dk + d.dv)) * 4;
-        let v = [n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
+        let v = [segs.n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
         let mut l = self.launcher(&self.f.gdn_chunk_prep);
-        l.arg(qkv).arg(beta).arg(gl).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
+        l.arg(qkv).arg(beta).arg(gl).arg(&segs.dev).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
         l.arg(&sc.u).arg(&sc.w).arg(&sc.p).arg(&sc.g);
         // SAFETY: matches gdn_chunk_prep (prefill.cu); grid (chunks, hv), one solution column per thread (dk + dv <=
-        // 256), shared memory as laid out there; scratch sized by chunk_sizes(n) (checked).
-        unsafe { l.launch(cfg((n.div_ceil(GDN_CHUNK) as u32, d.hv as u32), 256, smem)) }?;
+        // 256), shared memory as laid out there; scratch holds the table's chunks (checked), each chunk's rows lie
+        // in the pass's n rows (SegTable::set).
+        unsafe { l.launch(cfg((segs.chunks as u32, d.hv as u32), 256, smem)) }?;
         Ok(())
     }
 
-    /// Chunked delta rule, phase 2: the state through the chunks in order (gdn_chunk_state: `state` updated, each
-    /// chunk's starting state kept, D written over U), then every chunk's outputs in parallel (gdn_chunk_out):
-    /// `o` `[n, hv, dv]`.
-    #[allow(clippy::too_many_arguments)]
+    /// Chunked delta rule, phase 2: each sequence's state (`states[s]`, `[hv, dk, dv]` f32) through its chunks in
+    /// order (gdn_chunk_state: the state updated, each chunk's starting state kept, D written over U), then every
+    /// chunk's outputs in parallel (gdn_chunk_out): `o` `[rows, hv, dv]`.
     pub fn gdn_chunk_scan(
         &self,
         qkv: &CudaSlice<f32>,
         sc: &mut GdnChunkScratch,
-        n: usize,
+        segs: &SegTable,
         d: GdnDims,
-        state: &mut impl DevBuf<f32>,
+        states: &CudaView<u64>,
         o: &mut CudaSlice<f32>,
     ) -> Result<()> {
         d.check()?;
+        let n = segs.rows;
         ensure!(d.dv % 8 == 0, "gdn_chunk_scan: value head dim {} (needs % 8)", d.dv);
-        let (u, w, p, g) = d.chunk_sizes(n);
-        let states = n.div_ceil(GDN_CHUNK) * d.hv * d.dk * d.dv;
-        ensure!(
-            sc.u.len() >= u && sc.w.len() >= w && sc.p.len() >= p && sc.g.len() >= g && sc.s.len() >= states,
-            "gdn_chunk_scan: scratch"
-        );
+        ensure!(sc.holds(d, segs.chunks), "gdn_chunk_scan: scratch for {} chunks", segs.chunks);
         ensure!(n > 0 && qkv.len() >= n * d.conv_dim(), "gdn_chunk_scan: qkv");
-        ensure!(state.len() >= d.hv * d.dk * d.dv && o.len() >= n * d.hv * d.dv, "gdn_chunk_scan: state / output");
-        let v = [n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
+        ensure!(states.len() >= segs.n && o.len() >= n * d.hv * d.dv, "gdn_chunk_scan: state table / output");
+        ensure!(segs.n <= 65535, "gdn_chunk_scan: {} sequences", segs.n);
+        let v = [segs.n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
         let smem = (d.dk * 32 + GDN_CHUNK * 32 + 2 * (2 * GDN_CHUNK * (d.dk + 4) + GDN_CHUNK * 32 + GDN_CHUNK)) * 4;
         let mut l = self.launcher(&self.f.gdn_chunk_state);
-        l.arg(qkv).arg(&sc.u).arg(&sc.w).arg(&sc.g).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
-        l.arg(&sc.s).arg(&*state);
-        // SAFETY: matches gdn_chunk_state (prefill.cu); grid (hv, ceil(dv/32)), dk <= 128 and % 4, dv % 8 (checked);
-        // scratch sized for n tokens (checked), shared memory as laid out there (<= SMEM_MAX for dk <= 128).
-        unsafe { l.launch(cfg((d.hv as u32, d.dv.div_ceil(32) as u32), 256, smem)) }?;
+        l.arg(qkv).arg(&sc.u).arg(&sc.w).arg(&sc.g).arg(&segs.dev).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
+        l.arg(&sc.s).arg(states);
+        let mut lc = cfg((d.hv as u32, d.dv.div_ceil(32) as u32), 256, smem);
+        lc.grid_dim.2 = segs.n as u32;
+        // SAFETY: matches gdn_chunk_state (prefill.cu); grid (hv, ceil(dv/32), sequences), dk <= 128 and % 4, dv % 8
+        // (checked); scratch holds the table's chunks (checked), shared memory as laid out there (<= SMEM_MAX for dk
+        // <= 128); the state table holds a whole state per sequence (its builder's contract, as gdn_prep's rings).
+        unsafe { l.launch(lc) }?;
         let smem = (GDN_CHUNK * (d.dk + 4) + d.dk * (d.dv + 4) + GDN_CHUNK * (d.dv + 4) + GDN_CHUNK * GDN_CHUNK) * 4;
         let mut l = self.launcher(&self.f.gdn_chunk_out);
-        l.arg(qkv).arg(&sc.u).arg(&sc.p).arg(&sc.g).arg(&sc.s).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
-        l.arg(&*o);
+        l.arg(qkv).arg(&sc.u).arg(&sc.p).arg(&sc.g).arg(&sc.s).arg(&segs.dev).arg(&v[0]).arg(&v[1]).arg(&v[2]);
+        l.arg(&v[3]).arg(&v[4]).arg(&*o);
         // SAFETY: matches gdn_chunk_out (prefill.cu); grid (chunks, hv), 4 tokens x 8 columns per thread (dv <= 128,
         // % 8); reads the D and chunk states gdn_chunk_state just wrote; shared memory as laid out there.
-        unsafe { l.launch(cfg((n.div_ceil(GDN_CHUNK) as u32, d.hv as u32), 256, smem)) }?;
+        unsafe { l.launch(cfg((segs.chunks as u32, d.hv as u32), 256, smem)) }?;
         Ok(())
     }
 
@@ -591,30 +709,31 @@ impl Gpu {
         Ok(())
     }
 
-    /// The conv ring after `n` tokens at `pos0..`: slot p % taps = pre-conv input of position p (last min(n, taps)).
+    /// Each sequence's conv ring after its rows (`segs`): slot p % taps = the pre-conv input of position p (the
+    /// last min(rows, taps) positions).
     pub fn gdn_ring(
         &self,
         proj: &CudaSlice<f32>,
         ldp: usize,
         d: GdnDims,
-        pos0: usize,
-        n: usize,
-        ring: &mut impl DevBuf<f32>,
+        segs: &SegTable,
+        rings: &CudaView<u64>,
     ) -> Result<()> {
-        let cd = d.conv_dim();
-        ensure!(
-            n > 0 && ldp >= cd && proj.len() >= (n - 1) * ldp + cd && ring.len() >= d.taps * cd,
-            "gdn_ring: buffers"
-        );
-        let v = [ldp, cd, d.taps, pos0, n].map(|v| v as i32);
+        let (cd, n) = (d.conv_dim(), segs.rows);
+        ensure!(n > 0 && ldp >= cd && proj.len() >= (n - 1) * ldp + cd, "gdn_ring: proj");
+        ensure!(rings.len() >= segs.n && segs.n <= 65535, "gdn_ring: ring table");
+        let v = [ldp, cd, d.taps].map(|v| v as i32);
         let mut l = self.launcher(&self.f.gdn_ring);
-        l.arg(proj).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&*ring);
-        // SAFETY: matches gdn_ring (prefill.cu): grid-stride over min(n, taps) rows of cd channels; buffers checked.
-        unsafe { l.launch(cfg((self.sms, 1), 256, 0)) }?;
+        l.arg(proj).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&segs.dev).arg(rings);
+        let blocks = (self.sms as usize / segs.n).max(2) as u32;
+        // SAFETY: matches gdn_ring (prefill.cu): grid (blocks, sequences), grid-stride over each sequence's last
+        // min(rows, taps) rows of cd channels; proj checked; the table's rings are whole ([taps, cd], as gdn_prep's).
+        unsafe { l.launch(cfg((blocks, segs.n as u32), 256, 0)) }?;
         Ok(())
     }
 
-    /// q/k norm + RoPE for `n` tokens at `pos0..`: q -> bf16 `[n, nh, hd]`, k/v -> cache rows pos0.. (bf16).
+    /// q/k norm + RoPE for the pass's rows (`segs`): q -> bf16 `[rows, nh, hd]`, k/v -> rows pos0.. of each
+    /// sequence's caches (`kcs[s]` / `vcs[s]`, bf16 `[positions, nkv, hd]`).
     #[allow(clippy::too_many_arguments)]
     pub fn attn_prep_rows(
         &self,
@@ -622,46 +741,39 @@ impl Gpu {
         ldp: usize,
         qn: &CudaSlice<f32>,
         kn: &CudaSlice<f32>,
-        pos0: usize,
-        n: usize,
+        segs: &SegTable,
         (nh, nkv, hd, rd): (usize, usize, usize, usize),
         theta: f32,
         eps: f32,
         qout: &mut CudaSlice<u16>,
-        kc: &mut impl DevBuf<u16>,
-        vc: &mut impl DevBuf<u16>,
+        (kcs, vcs): (&CudaView<u64>, &CudaView<u64>),
     ) -> Result<()> {
         ensure!(hd <= 256 && hd % 32 == 0 && rd <= hd && rd % 2 == 0 && nkv > 0, "attn_prep_rows: dims");
-        let rows = (2 * nh + 2 * nkv) * hd;
+        let (rows, n) = ((2 * nh + 2 * nkv) * hd, segs.rows);
         ensure!(n > 0 && ldp >= rows && proj.len() >= (n - 1) * ldp + rows, "attn_prep_rows: proj");
         ensure!(qn.len() >= hd && kn.len() >= hd && qout.len() >= n * nh * hd, "attn_prep_rows: buffers");
-        ensure!(
-            kc.len() == vc.len() && kc.len() >= (pos0 + n) * nkv * hd,
-            "attn_prep_rows: the cache holds fewer than {} rows",
-            pos0 + n
-        );
-        let v = [ldp, pos0, nh, nkv, hd, rd].map(|v| v as i32);
+        ensure!(kcs.len() >= segs.n && vcs.len() >= segs.n, "attn_prep_rows: cache tables");
+        let v = [ldp, segs.n, nh, nkv, hd, rd].map(|v| v as i32);
         let mut l = self.launcher(&self.f.attn_prep_rows);
-        l.arg(proj).arg(&v[0]).arg(qn).arg(kn).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&theta);
-        l.arg(&eps).arg(&*qout).arg(&*kc).arg(&*vc);
-        // SAFETY: matches attn_prep_rows (prefill.cu); grid (n, nh + nkv) of hd threads; cache rows pos0..pos0+n exist
-        // (checked).
+        l.arg(proj).arg(&v[0]).arg(qn).arg(kn).arg(&segs.dev).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]);
+        l.arg(&theta).arg(&eps).arg(&*qout).arg(kcs).arg(vcs);
+        // SAFETY: matches attn_prep_rows (prefill.cu); grid (rows, nh + nkv) of hd threads; each sequence's caches
+        // hold rows pos0..pos0+k (its table builder's contract: DeviceModel::prefill_seqs and DeviceState::prefill
+        // check the positions against the sequence's room).
         unsafe { l.launch(cfg((n as u32, (nh + nkv) as u32), hd as u32, 0)) }?;
         Ok(())
     }
 
-    /// Causal flash attention of `n` query rows at `pos0..` over cache keys `0..pos0+n`, output gate from `proj`
-    /// -> bf16 `[n, nh*hd]`.
+    /// Causal flash attention of the pass's rows (`segs`): a sequence's rows, at positions pos0.., over its cache keys
+    /// `0..pos0+k` (`kcs[s]` / `vcs[s]`), output gate from `proj` -> bf16 `[rows, nh*hd]`.
     #[allow(clippy::too_many_arguments)]
     pub fn flash_prefill(
         &self,
         q: &CudaSlice<u16>,
-        kc: &impl DevBuf<u16>,
-        vc: &impl DevBuf<u16>,
+        (kcs, vcs): (&CudaView<u64>, &CudaView<u64>),
         proj: &CudaSlice<f32>,
         ldp: usize,
-        n: usize,
-        pos0: usize,
+        segs: &SegTable,
         (nh, nkv, hd): (usize, usize, usize),
         out: &mut CudaSlice<u16>,
     ) -> Result<()> {
@@ -671,33 +783,22 @@ impl Gpu {
             64 => (&self.f.flash_prefill_hd64, 64),
             _ => bail!("flash_prefill: head dim {hd} (kernels for 64, 128 and 256)"),
         };
+        let n = segs.rows;
         ensure!(nkv > 0 && nh % nkv == 0 && n > 0, "flash_prefill: {nh} query heads over {nkv} kv heads");
         ensure!(q.len() >= n * nh * hd && out.len() >= n * nh * hd, "flash_prefill: q / out");
         ensure!(ldp >= 2 * nh * hd && proj.len() >= (n - 1) * ldp + 2 * nh * hd, "flash_prefill: proj (gates)");
-        ensure!(
-            kc.len() == vc.len() && kc.len() >= (pos0 + n) * nkv * hd,
-            "flash_prefill: cache shorter than {} rows",
-            pos0 + n
-        );
-        ensure!(n.div_ceil(64) <= 65535 * 32, "flash_prefill: {n} rows");
+        ensure!(kcs.len() >= segs.n && vcs.len() >= segs.n, "flash_prefill: cache tables");
+        ensure!(segs.chunks <= 65535 * 32, "flash_prefill: {} query tiles", segs.chunks);
         let smem = 64 * (hd + 8) * 2 + 4 * bkv * (hd + 8) * 2;
         let scale = 1.0 / (hd as f32).sqrt();
-        let v = [ldp, n, pos0, nh, nkv].map(|v| v as i32);
+        let v = [ldp, segs.n, nh, nkv].map(|v| v as i32);
         let mut l = self.launcher(f);
-        l.arg(q)
-            .arg(kc)
-            .arg(vc)
-            .arg(proj)
-            .arg(&v[0])
-            .arg(&v[1])
-            .arg(&v[2])
-            .arg(&v[3])
-            .arg(&v[4])
-            .arg(&scale)
-            .arg(&*out);
-        // SAFETY: matches flash_prefill_hd* (flash.cu); keys read are < pos0 + n <= cache rows (checked), queries < n;
-        // shared memory as FlashCfg<hd, bkv>.
-        unsafe { l.launch(cfg((n.div_ceil(64) as u32, nh as u32), 128, smem)) }?;
+        l.arg(q).arg(kcs).arg(vcs).arg(proj).arg(&v[0]).arg(&segs.dev).arg(&v[1]).arg(&v[2]).arg(&v[3]);
+        l.arg(&scale).arg(&*out);
+        // SAFETY: matches flash_prefill_hd* (flash.cu); a tile's queries are rows of its sequence (< n), its keys <
+        // pos0 + k, rows its table builder guarantees the caches hold (as attn_prep_rows'); shared memory as
+        // FlashCfg<hd, bkv>.
+        unsafe { l.launch(cfg((segs.chunks as u32, nh as u32), 128, smem)) }?;
         Ok(())
     }
 }
@@ -743,10 +844,16 @@ pub struct GdnChunkScratch {
 }
 
 impl GdnChunkScratch {
+    /// Room for the chunks of a pass of `cap` rows of one sequence (a pass of several takes up to one chunk more
+    /// per sequence: [`pass_fits`]).
     pub fn new(gpu: &Gpu, d: GdnDims, cap: usize) -> Result<GdnChunkScratch> {
-        let (u, w, p, g) = d.chunk_sizes(cap);
-        let s = cap.div_ceil(GDN_CHUNK) * d.hv * d.dk * d.dv;
+        let [u, w, p, g, s] = d.chunk_sizes(pass_chunks(cap));
         Ok(GdnChunkScratch { u: gpu.zeros(u)?, w: gpu.zeros(w)?, p: gpu.zeros(p)?, g: gpu.zeros(g)?, s: gpu.zeros(s)? })
+    }
+
+    fn holds(&self, d: GdnDims, chunks: usize) -> bool {
+        let [u, w, p, g, s] = d.chunk_sizes(chunks);
+        self.u.len() >= u && self.w.len() >= w && self.p.len() >= p && self.g.len() >= g && self.s.len() >= s
     }
 }
 
@@ -838,6 +945,8 @@ pub struct PrefillBuffers {
     pub chunk: usize,
     pub scratch: Option<Scratch>,
     pub seqs: Option<crate::batch::SeqScratch>,
+    /// The state pointer and sequence tables of every pass (allocated once, on the first pass).
+    pub tables: Option<PassTables>,
     /// The batched decode pass replays a CUDA graph per shape (default), or launches its kernels one by one
     /// (`TERN_BATCH_GRAPHS=0`; the bench times both).
     pub graphs: bool,
@@ -849,8 +958,23 @@ pub struct PrefillBuffers {
 impl PrefillBuffers {
     pub fn new(chunk: usize) -> Mutex<PrefillBuffers> {
         let graphs = std::env::var("TERN_BATCH_GRAPHS").map_or(true, |v| v != "0");
-        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None, seqs: None, graphs, omit: None })
+        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None, seqs: None, tables: None, graphs, omit: None })
     }
+}
+
+/// Whether one prefill pass over sequences of these new rows fits buffers for prefill chunks of `chunk` rows: at most
+/// `chunk` rows, and the sequences' chunks of 64 rows (each sequence's own) no more than those of `chunk` rows.
+pub fn pass_fits(chunk: usize, rows: impl IntoIterator<Item = usize>) -> bool {
+    let (r, c) = rows.into_iter().fold((0, 0), |(r, c), k| (r + k, c + pass_chunks(k)));
+    r <= chunk && c <= pass_chunks(chunk)
+}
+
+/// The pass tables in `slot`, allocated on first use.
+pub(crate) fn tables<'a>(slot: &'a mut Option<PassTables>, m: &DeviceModel) -> Result<&'a mut PassTables> {
+    if slot.is_none() {
+        *slot = Some(PassTables::new(m)?);
+    }
+    slot.as_mut().context("pass tables")
 }
 
 /// The activation buffers in `slot`, holding at least `rows` rows: allocated on first use, replaced by larger ones
@@ -905,9 +1029,11 @@ impl DeviceState {
         );
         let mut guard =
             m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        let bufs = &mut *guard;
-        let chunk = bufs.chunk;
-        let sc = scratch_rows(&mut bufs.scratch, m, chunk)?;
+        let PrefillBuffers { chunk, scratch, tables: tslot, .. } = &mut *guard;
+        let chunk = *chunk;
+        let sc = scratch_rows(scratch, m, chunk)?;
+        let t = tables(tslot, m)?;
+        t.set_states(m, std::iter::once(&*self))?;
         let mut out = PrefillOut::default();
         if log_routes {
             out.routes = vec![Vec::with_capacity(ids.len() * c.num_experts_per_tok); c.num_layers()];
@@ -916,7 +1042,7 @@ impl DeviceState {
         for part in ids.chunks(chunk) {
             let logits = all_logits.then_some(&mut out.logits);
             let routes = log_routes.then_some(&mut out.routes);
-            self.prefill_chunk(m, sc, part, logits, routes, prof.is_some().then_some(&mut events))?;
+            self.prefill_chunk(m, sc, t, part, logits, routes, prof.is_some().then_some(&mut events))?;
         }
         g.stream.synchronize()?;
         if let Some(p) = prof {
@@ -930,10 +1056,13 @@ impl DeviceState {
         Ok(out)
     }
 
+    /// One chunk through every layer, the sequence's state pointers already in `t`.
+    #[allow(clippy::too_many_arguments)]
     fn prefill_chunk(
         &mut self,
         m: &DeviceModel,
         sc: &mut Scratch,
+        t: &mut PassTables,
         ids: &[u32],
         all_logits: Option<&mut Vec<f32>>,
         routes: Option<&mut Vec<Vec<usize>>>,
@@ -953,71 +1082,48 @@ impl DeviceState {
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let d = GdnDims::of(c);
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        t.segs.set(g, &[(n, pos0)])?;
         mark("embed")?;
         g.embed_rows(&m.embed, ids, &mut sc.ids, &mut sc.x)?;
         let mut route_log = routes;
-        for (li, (l, ls)) in m.layers.iter().zip(self.layers.iter_mut()).enumerate() {
+        for (li, l) in m.layers.iter().enumerate() {
             if li == 0 {
                 // later layers' input norms go with the combine before them (moe_rows)
                 mark("rmsnorm")?;
                 g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
             }
-            match (&l.mixer, ls) {
-                (DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm }, LState::Gdn { ring, s }) => {
+            let (ta, tb) = t.layer(li);
+            let segs = &t.segs;
+            match &l.mixer {
+                DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
                     let ldp = proj.rows;
                     mark("gdn_in_proj (gemm)")?;
                     g.gemm_q4(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
                     mark("gdn_prep")?;
-                    g.gdn_prep(
-                        &sc.proj,
-                        ldp,
-                        ring,
-                        conv,
-                        a_log,
-                        dt_bias,
-                        d,
-                        pos0,
-                        n,
-                        &mut sc.qkv,
-                        &mut sc.beta,
-                        &mut sc.gl,
-                    )?;
+                    let (qkv, beta, gl) = (&mut sc.qkv, &mut sc.beta, &mut sc.gl);
+                    g.gdn_prep(&sc.proj, ldp, &ta, conv, a_log, dt_bias, d, segs, qkv, beta, gl)?;
                     mark("gdn_chunk_prep")?;
-                    g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, n, d, &mut sc.chunks)?;
+                    g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, segs, d, &mut sc.chunks)?;
                     mark("gdn_chunk_scan")?;
-                    g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, n, d, s, &mut sc.o)?;
+                    g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, segs, d, &tb, &mut sc.o)?;
                     mark("gdn_ring+gated_norm")?;
-                    g.gdn_ring(&sc.proj, ldp, d, pos0, n, ring)?;
+                    g.gdn_ring(&sc.proj, ldp, d, segs, &ta)?;
                     g.gdn_gated_norm(&sc.o, &sc.proj, ldp, n, d, norm, eps, &mut sc.xb)?;
                     mark("gdn_out_proj (gemm)")?;
                     g.gemm_q4(out, &sc.xb, n, &mut sc.x, h, true)?;
                 }
-                (DMixer::Attn { qkv, o, qn, kn }, LState::Attn { k: kc, v: vc }) => {
+                DMixer::Attn { qkv, o, qn, kn } => {
                     let ldp = qkv.rows;
                     mark("attn_qkv (gemm)")?;
                     g.gemm_q4(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
-                    let theta = c.rope_theta as f32;
+                    let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
                     mark("attn_prep")?;
-                    g.attn_prep_rows(
-                        &sc.proj,
-                        ldp,
-                        qn,
-                        kn,
-                        pos0,
-                        n,
-                        (nh, nkv, hd, c.rotary_dim),
-                        theta,
-                        eps,
-                        &mut sc.qb,
-                        kc,
-                        vc,
-                    )?;
+                    g.attn_prep_rows(&sc.proj, ldp, qn, kn, segs, dims, theta, eps, &mut sc.qb, (&ta, &tb))?;
                     mark("attn_flash")?;
-                    g.flash_prefill(&sc.qb, kc, vc, &sc.proj, ldp, n, pos0, (nh, nkv, hd), &mut sc.xb)?;
+                    g.flash_prefill(&sc.qb, (&ta, &tb), &sc.proj, ldp, segs, (nh, nkv, hd), &mut sc.xb)?;
                     mark("attn_o_proj (gemm)")?;
                     g.gemm_q4(o, &sc.xb, n, &mut sc.x, h, true)?;
                 }
-                _ => bail!("layer {li}: state does not match the model's layer kind"),
             }
             let routes = route_log.as_deref_mut().map(|r| &mut r[li]);
             let next = m.layers.get(li + 1).map(|l| &l.in_norm);

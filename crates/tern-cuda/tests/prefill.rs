@@ -10,9 +10,9 @@
 //! Without a CUDA device each test prints `NO GPU: <name> not run ...` and passes; `TERN_REQUIRE_CUDA=1` turns
 //! that into a failure.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr};
 use tern_cuda::model::DMixer;
-use tern_cuda::prefill::{GdnChunkScratch, GdnDims, MoeSorted};
+use tern_cuda::prefill::{GdnChunkScratch, GdnDims, MoeSorted, SegTable};
 use tern_cuda::seq::CudaOptions;
 use tern_cuda::{gpu_or_skip, CudaBackend, Gpu};
 use tern_model::forward::{attention_core, delta_net_core, moe, rms_norm, route, route_forced};
@@ -417,6 +417,11 @@ fn gdn_ref(
     (o, gated)
 }
 
+/// A buffer's device address (for the kernels' pointer tables).
+fn ptr<T>(g: &Gpu, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(&g.stream).0
+}
+
 fn rel64(a: &[f32], b: &[f64]) -> (f32, f32) {
     let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
     let dmax =
@@ -427,9 +432,12 @@ fn rel64(a: &[f32], b: &[f64]) -> (f32, f32) {
 }
 
 /// The GDN core of a prefill (conv over the chunk with the carried conv inputs, gates, chunked delta rule in
-/// chunks of 64 with the f32 state, gated RMSNorm, conv ring update) over consecutive calls, against the f64
-/// token-by-token recurrence: outputs, final state and conv inputs after every call. The full shape runs 5,096
-/// tokens (1,000 then 4,096). Also against the f32 CPU reference (delta_net_core) for the gated output.
+/// chunks of 64 with the f32 state, gated RMSNorm, conv ring update) over consecutive passes, against the f64
+/// token-by-token recurrence: outputs, final state and conv inputs after every pass. Each pass holds two sequences
+/// (their own rings and states, through the pointer tables), one taking the calls in order and the other in reverse,
+/// so every launch covers two segments of different lengths and positions. The full shape runs 5,096 tokens a
+/// sequence (1,000 then 4,096 beside short ones). Also against the f32 CPU reference (delta_net_core) for the gated
+/// output.
 #[test]
 fn gdn_chunked_matches_recurrence() {
     let Some(g) = gpu_or_skip("gdn_chunked_matches_recurrence") else { return };
@@ -449,26 +457,44 @@ fn gdn_chunked_matches_recurrence() {
         let d = GdnDims::of(&c);
         let (cd, vd, hv) = (d.conv_dim(), d.hv * d.dv, d.hv);
         let ldp = cd + vd + 2 * hv + 5; // a stride wider than the row, as a stacked projection could have
-        let cap = *calls.iter().max().unwrap();
-        let mut ring = g.zeros::<f32>(d.taps * cd).unwrap();
-        let mut state = g.zeros::<f32>(hv * d.dk * d.dv).unwrap();
+        let cap = 2 * *calls.iter().max().unwrap();
+        struct Seq {
+            ring: CudaSlice<f32>,
+            state: CudaSlice<f32>,
+            cconv: Vec<f64>,
+            cs: Vec<f64>,
+            cconv32: Vec<f32>,
+            cs32: Vec<f32>,
+            pos0: usize,
+        }
+        let mut seqs: Vec<Seq> = (0..2)
+            .map(|_| Seq {
+                ring: g.zeros::<f32>(d.taps * cd).unwrap(),
+                state: g.zeros::<f32>(hv * d.dk * d.dv).unwrap(),
+                cconv: vec![0.0f64; (d.taps - 1) * cd],
+                cs: vec![0.0f64; hv * d.dk * d.dv],
+                cconv32: vec![0.0f32; (d.taps - 1) * cd],
+                cs32: vec![0.0f32; hv * d.dk * d.dv],
+                pos0: 0,
+            })
+            .collect();
+        let rings = g.upload(&[ptr(&g, &seqs[0].ring), ptr(&g, &seqs[1].ring)]).unwrap();
+        let states = g.upload(&[ptr(&g, &seqs[0].state), ptr(&g, &seqs[1].state)]).unwrap();
+        let mut segs = SegTable::new(&g, 2).unwrap();
         let mut qkv = g.zeros::<f32>(cap * cd).unwrap();
         let mut beta = g.zeros::<f32>(cap * hv).unwrap();
         let mut gl = g.zeros::<f32>(cap * hv).unwrap();
-        let mut chunks = GdnChunkScratch::new(&g, d, cap).unwrap();
+        let mut chunks = GdnChunkScratch::new(&g, d, cap + 128).unwrap();
         let mut o = g.zeros::<f32>(cap * vd).unwrap();
         let mut ob = g.zeros::<u16>(cap * vd).unwrap();
-        let mut cconv = vec![0.0f64; (d.taps - 1) * cd];
-        let mut cs = vec![0.0f64; hv * d.dk * d.dv];
-        let mut cconv32 = vec![0.0f32; (d.taps - 1) * cd];
-        let mut cs32 = vec![0.0f32; hv * d.dk * d.dv];
         let mut rng = Rng(5);
-        let mut pos0 = 0;
         let eps = c.rms_norm_eps;
-        for &n in calls {
+        for (i, &na) in calls.iter().enumerate() {
+            let lens = [na, calls[calls.len() - 1 - i]];
+            let rows = na + lens[1];
             // qkv ±2, z ±2, b ±3, a ±3 (padding columns: garbage that must not be read)
-            let mut proj = vec![0.0f32; n * ldp];
-            for t in 0..n {
+            let mut proj = vec![0.0f32; rows * ldp];
+            for t in 0..rows {
                 let row = &mut proj[t * ldp..(t + 1) * ldp];
                 for (j, v) in row.iter_mut().enumerate() {
                     *v = if j < cd + vd {
@@ -481,45 +507,59 @@ fn gdn_chunked_matches_recurrence() {
                 }
             }
             let dproj = g.upload(&proj).unwrap();
-            g.gdn_prep(&dproj, ldp, &ring, conv, a_log, dt_bias, d, pos0, n, &mut qkv, &mut beta, &mut gl).unwrap();
-            g.gdn_chunk_prep(&qkv, &beta, &gl, n, d, &mut chunks).unwrap();
-            g.gdn_chunk_scan(&qkv, &mut chunks, n, d, &mut state, &mut o).unwrap();
-            g.gdn_ring(&dproj, ldp, d, pos0, n, &mut ring).unwrap();
-            g.gdn_gated_norm(&o, &dproj, ldp, n, d, norm, eps, &mut ob).unwrap();
-            let (want_o, want_g) =
-                gdn_ref(d, &gd.conv, &gd.a_log, &gd.dt_bias, &gd.norm, eps, &proj, ldp, n, &mut cconv, &mut cs);
-            let got_o = g.download(&o).unwrap()[..n * vd].to_vec();
-            let got_g: Vec<f32> = g.download(&ob).unwrap()[..n * vd].iter().map(|&b| bf16_to_f32(b)).collect();
-            let (eo, eo2) = rel64(&got_o, &want_o);
-            let (eg, eg2) = rel64(&got_g, &want_g);
-            let (es, es2) = rel64(&g.download(&state).unwrap(), &cs);
-            // the f32 CPU reference (delta_net_core) on the same projections
-            let mixed: Vec<f32> = (0..n).flat_map(|t| proj[t * ldp..t * ldp + cd].to_vec()).collect();
-            let z: Vec<f32> = (0..n).flat_map(|t| proj[t * ldp + cd..t * ldp + cd + vd].to_vec()).collect();
-            let bb: Vec<f32> = (0..n).flat_map(|t| proj[t * ldp + cd + vd..t * ldp + cd + vd + hv].to_vec()).collect();
-            let aa: Vec<f32> =
-                (0..n).flat_map(|t| proj[t * ldp + cd + vd + hv..t * ldp + cd + vd + 2 * hv].to_vec()).collect();
-            let want32 = delta_net_core(&c, gd, &mut cconv32, &mut cs32, &mixed, &z, &bb, &aa, n);
-            let e32 = rel2(&got_g, &want32);
-            // ring slot p % taps = input of position p, for the positions the next step reads
-            let got_ring = g.download(&ring).unwrap();
-            let mut e_ring = 0.0f32;
-            pos0 += n;
-            for j in 0..d.taps - 1 {
-                let p = pos0 as isize - (d.taps as isize - 1) + j as isize;
-                if p >= 0 {
-                    let slot = p as usize % d.taps;
-                    for ch in 0..cd {
-                        e_ring = e_ring.max((got_ring[slot * cd + ch] as f64 - cconv[j * cd + ch]).abs() as f32);
+            segs.set(&g, &[(lens[0], seqs[0].pos0), (lens[1], seqs[1].pos0)]).unwrap();
+            assert_eq!((segs.n(), segs.rows()), (2, rows));
+            let (tr, ts) = (rings.slice(..), states.slice(..));
+            g.gdn_prep(&dproj, ldp, &tr, conv, a_log, dt_bias, d, &segs, &mut qkv, &mut beta, &mut gl).unwrap();
+            g.gdn_chunk_prep(&qkv, &beta, &gl, &segs, d, &mut chunks).unwrap();
+            g.gdn_chunk_scan(&qkv, &mut chunks, &segs, d, &ts, &mut o).unwrap();
+            g.gdn_ring(&dproj, ldp, d, &segs, &tr).unwrap();
+            g.gdn_gated_norm(&o, &dproj, ldp, rows, d, norm, eps, &mut ob).unwrap();
+            let all_o = g.download(&o).unwrap();
+            let all_g: Vec<f32> = g.download(&ob).unwrap()[..rows * vd].iter().map(|&b| bf16_to_f32(b)).collect();
+            let mut r0 = 0;
+            for (si, (sq, &n)) in seqs.iter_mut().zip(&lens).enumerate() {
+                let p = &proj[r0 * ldp..(r0 + n) * ldp];
+                let (want_o, want_g) =
+                    gdn_ref(d, &gd.conv, &gd.a_log, &gd.dt_bias, &gd.norm, eps, p, ldp, n, &mut sq.cconv, &mut sq.cs);
+                let got_o = &all_o[r0 * vd..(r0 + n) * vd];
+                let got_g = &all_g[r0 * vd..(r0 + n) * vd];
+                let (eo, eo2) = rel64(got_o, &want_o);
+                let (eg, eg2) = rel64(got_g, &want_g);
+                let (es, es2) = rel64(&g.download(&sq.state).unwrap(), &sq.cs);
+                // the f32 CPU reference (delta_net_core) on the same projections
+                let cols = |a: usize, b: usize| -> Vec<f32> {
+                    (0..n).flat_map(|t| p[t * ldp + a..t * ldp + b].to_vec()).collect()
+                };
+                let (mixed, z) = (cols(0, cd), cols(cd, cd + vd));
+                let (bb, aa) = (cols(cd + vd, cd + vd + hv), cols(cd + vd + hv, cd + vd + 2 * hv));
+                let want32 = delta_net_core(&c, gd, &mut sq.cconv32, &mut sq.cs32, &mixed, &z, &bb, &aa, n);
+                let e32 = rel2(got_g, &want32);
+                // ring slot p % taps = input of position p, for the positions the next step reads
+                let got_ring = g.download(&sq.ring).unwrap();
+                let mut e_ring = 0.0f32;
+                sq.pos0 += n;
+                for j in 0..d.taps - 1 {
+                    let p = sq.pos0 as isize - (d.taps as isize - 1) + j as isize;
+                    if p >= 0 {
+                        let slot = p as usize % d.taps;
+                        for ch in 0..cd {
+                            e_ring = e_ring.max((got_ring[slot * cd + ch] as f64 - sq.cconv[j * cd + ch]).abs() as f32);
+                        }
                     }
                 }
+                let pos0 = sq.pos0;
+                report.push(format!(
+                    "{name} seq {si} +{n} (to {pos0}): o {eo:.1e}/{eo2:.1e} state {es:.1e}/{es2:.1e} gated(bf16) {eg:.1e}/{eg2:.1e} vs f32 cpu {e32:.1e}"
+                ));
+                assert!(
+                    eo2 < 1e-3 && es2 < 1e-3 && eo < 1e-2 && es < 1e-2,
+                    "{name} seq {si} +{n}: o {eo}/{eo2} state {es}/{es2}"
+                );
+                assert!(eg2 < 8e-3 && e32 < 8e-3, "{name} seq {si} +{n}: gated output {eg2}, vs f32 cpu {e32}");
+                assert!(e_ring == 0.0, "{name} seq {si} +{n}: conv ring differs from the inputs ({e_ring})");
+                r0 += n;
             }
-            report.push(format!(
-                "{name} +{n} (to {pos0}): o {eo:.1e}/{eo2:.1e} state {es:.1e}/{es2:.1e} gated(bf16) {eg:.1e}/{eg2:.1e} vs f32 cpu {e32:.1e}"
-            ));
-            assert!(eo2 < 1e-3 && es2 < 1e-3 && eo < 1e-2 && es < 1e-2, "{name} +{n}: o {eo}/{eo2} state {es}/{es2}");
-            assert!(eg2 < 8e-3 && e32 < 8e-3, "{name} +{n}: gated output {eg2}, vs f32 cpu {e32}");
-            assert!(e_ring == 0.0, "{name} +{n}: conv ring differs from the inputs ({e_ring})");
         }
     }
     println!("gdn chunked (max-rel/norm-rel): {}", report.join("; "));
@@ -529,7 +569,9 @@ fn gdn_chunked_matches_recurrence() {
 // Attention
 
 /// q/k norm + RoPE + K/V append for a chunk, and causal flash attention over the cache (a chunk that starts after
-/// cached tokens attends to them), output gate fused; consecutive calls of awkward sizes against the CPU.
+/// cached tokens attends to them), output gate fused; consecutive passes of awkward sizes against the CPU. Each pass
+/// holds two sequences (their own caches, through the pointer tables): one takes the calls in order, the other in
+/// reverse.
 #[test]
 fn flash_prefill_matches_cpu() {
     let Some(g) = gpu_or_skip("flash_prefill_matches_cpu") else { return };
@@ -545,51 +587,48 @@ fn flash_prefill_matches_cpu() {
         let (nh, nkv, hd, rd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rotary_dim);
         let total: usize = calls.iter().sum();
         let rows = (2 * nh + 2 * nkv) * hd;
-        let mut kc = g.zeros::<u16>(total * nkv * hd).unwrap();
-        let mut vc = g.zeros::<u16>(total * nkv * hd).unwrap();
-        let cap = *calls.iter().max().unwrap();
+        let kcs: Vec<CudaSlice<u16>> = (0..2).map(|_| g.zeros::<u16>(total * nkv * hd).unwrap()).collect();
+        let vcs: Vec<CudaSlice<u16>> = (0..2).map(|_| g.zeros::<u16>(total * nkv * hd).unwrap()).collect();
+        let tk = g.upload(&[ptr(&g, &kcs[0]), ptr(&g, &kcs[1])]).unwrap();
+        let tv = g.upload(&[ptr(&g, &vcs[0]), ptr(&g, &vcs[1])]).unwrap();
+        let mut segs = SegTable::new(&g, 2).unwrap();
+        let cap = 2 * *calls.iter().max().unwrap();
         let mut qb = g.zeros::<u16>(cap * nh * hd).unwrap();
         let mut out = g.zeros::<u16>(cap * nh * hd).unwrap();
-        let (mut ck, mut cv) = (Vec::new(), Vec::new());
+        let mut cpu: Vec<(Vec<f32>, Vec<f32>, usize)> = vec![(Vec::new(), Vec::new(), 0); 2];
         let mut rng = Rng(9);
-        let mut pos0 = 0;
-        for &n in calls {
+        for (i, &na) in calls.iter().enumerate() {
+            let lens = [na, calls[calls.len() - 1 - i]];
+            let n = na + lens[1];
             let mut proj = Vec::with_capacity(n * rows);
             for _ in 0..n {
                 proj.extend(rng.vec(2 * nh * hd + nkv * hd, 2.0));
                 proj.extend(rng.vec(nkv * hd, 1.0));
             }
             let dproj = g.upload(&proj).unwrap();
-            g.attn_prep_rows(
-                &dproj,
-                rows,
-                qn,
-                kn,
-                pos0,
-                n,
-                (nh, nkv, hd, rd),
-                c.rope_theta as f32,
-                c.rms_norm_eps,
-                &mut qb,
-                &mut kc,
-                &mut vc,
-            )
-            .unwrap();
-            g.flash_prefill(&qb, &kc, &vc, &dproj, rows, n, pos0, (nh, nkv, hd), &mut out).unwrap();
-            let got: Vec<f32> = g.download(&out).unwrap()[..n * nh * hd].iter().map(|&b| bf16_to_f32(b)).collect();
-            let mut qg = Vec::with_capacity(n * 2 * nh * hd);
-            let (mut k, mut v) = (Vec::new(), Vec::new());
-            for t in 0..n {
-                let r = &proj[t * rows..(t + 1) * rows];
-                qg.extend_from_slice(&r[..2 * nh * hd]);
-                k.extend_from_slice(&r[2 * nh * hd..(2 * nh + nkv) * hd]);
-                v.extend_from_slice(&r[(2 * nh + nkv) * hd..]);
+            segs.set(&g, &[(lens[0], cpu[0].2), (lens[1], cpu[1].2)]).unwrap();
+            let (eps, theta, dims) = (c.rms_norm_eps, c.rope_theta as f32, (nh, nkv, hd, rd));
+            let tabs = (&tk.slice(..), &tv.slice(..));
+            g.attn_prep_rows(&dproj, rows, qn, kn, &segs, dims, theta, eps, &mut qb, tabs).unwrap();
+            g.flash_prefill(&qb, tabs, &dproj, rows, &segs, (nh, nkv, hd), &mut out).unwrap();
+            let all: Vec<f32> = g.download(&out).unwrap()[..n * nh * hd].iter().map(|&b| bf16_to_f32(b)).collect();
+            let mut r0 = 0;
+            for (si, ((ck, cv, pos0), &k)) in cpu.iter_mut().zip(&lens).enumerate() {
+                let (mut qg, mut kk, mut vv) = (Vec::new(), Vec::new(), Vec::new());
+                for t in r0..r0 + k {
+                    let r = &proj[t * rows..(t + 1) * rows];
+                    qg.extend_from_slice(&r[..2 * nh * hd]);
+                    kk.extend_from_slice(&r[2 * nh * hd..(2 * nh + nkv) * hd]);
+                    vv.extend_from_slice(&r[(2 * nh + nkv) * hd..]);
+                }
+                let want = attention_core(&c, a, ck, cv, *pos0, &qg, kk, &vv, k);
+                let got = &all[r0 * nh * hd..(r0 + k) * nh * hd];
+                let (e, e2) = (rel(got, &want), rel2(got, &want));
+                report.push(format!("{name} seq {si} +{k} at {pos0}: {e:.1e}/{e2:.1e}"));
+                assert!(e < 2e-2 && e2 < 1e-2, "flash {name} seq {si} +{k} at {pos0}: {e} / {e2}");
+                *pos0 += k;
+                r0 += k;
             }
-            let want = attention_core(&c, a, &mut ck, &mut cv, pos0, &qg, k, &v, n);
-            let (e, e2) = (rel(&got, &want), rel2(&got, &want));
-            report.push(format!("{name} +{n} at {pos0}: {e:.1e}/{e2:.1e}"));
-            assert!(e < 2e-2 && e2 < 1e-2, "flash {name} +{n} at {pos0}: {e} / {e2}");
-            pos0 += n;
         }
     }
     println!("flash prefill (max-rel/norm-rel): {}", report.join("; "));

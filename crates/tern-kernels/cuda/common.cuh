@@ -96,6 +96,24 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 __device__ __forceinline__ void pdl_wait_only() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// A prefill pass over several sequences (segments): its rows are the sequences' new tokens, sequence after
+// sequence; segs[4 s .. 4 s + 3] = {first row, rows, first position, first chunk} of sequence s, its rows cut in
+// chunks of 64 (the GDN chunks and flash query tiles) numbered on across the pass. The host writes the table
+// before the pass (prefill.rs, Gpu::segs), so it may be read before pdl_wait. A pass of one sequence is
+// {0, N, pos0, 0}.
+struct Seg {
+    int r0, k, pos0, c0;
+};
+__device__ __forceinline__ Seg seg_at(const int* segs, int s) {
+    return Seg{segs[4 * s], segs[4 * s + 1], segs[4 * s + 2], segs[4 * s + 3]};
+}
+// The sequence whose rows (col 0) or chunks (col 3) hold index v: the last one starting at or before it.
+__device__ __forceinline__ int seg_find(const int* segs, int nseg, int v, int col) {
+    int s = 0;
+    while (s + 1 < nseg && segs[4 * (s + 1) + col] <= v) s++;
+    return s;
+}
+
 // Block-wide wait for a nonzero 64-bit flag another kernel sets (st.release after its data) and returns it: thread
 // 0 polls with ld.acquire at gpu scope, the block barrier passes the ordering (and the value) on. A flag that is
 // never set traps after 2 s instead of hanging the device. The trace records the moment as the kernel's wait.

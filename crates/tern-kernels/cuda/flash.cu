@@ -1,13 +1,16 @@
-// Causal flash attention for a prompt chunk (prefill), on tensor cores (mma.sync m16n8k16 bf16, f32 accumulate).
+// Causal flash attention for the prompt chunks of one or more sequences (a prefill pass's segments, common.cuh:
+// Seg), on tensor cores (mma.sync m16n8k16 bf16, f32 accumulate).
 //
-// Queries: q bf16 [N, nh, HD] (normed + rotated: attn_prep_rows) for tokens at absolute positions pos0 .. pos0+N-1.
-// Keys/values: the layer's bf16 cache [max_ctx, nkv, HD] (rows pos0.. already appended by attn_prep_rows), so a
-// chunk that starts after cached tokens attends to them. Query head h uses kv head h / (nh / nkv). Token n attends
-// to keys 0 ..= pos0 + n (scale HD^-1/2, online softmax in f32, base-2 exponentials).
+// Queries: q bf16 [N, nh, HD] (normed + rotated: attn_prep_rows); a sequence's rows are its tokens at absolute
+// positions pos0 .. pos0+k-1. Keys/values: the sequence's bf16 caches kcs/vcs[s], [max_ctx, nkv, HD] (rows pos0..
+// already appended by attn_prep_rows), so a chunk that starts after cached tokens attends to them. Query head h
+// uses kv head h / (nh / nkv). Token n attends to keys 0 ..= pos0 + n (scale HD^-1/2, online softmax in f32,
+// base-2 exponentials).
 // Output: o[n, h*HD + d] = bf16( softmax(q k^T) v * sigmoid(gate) ), gate = proj[n, h*2*HD + HD + d] (f32, the
 // per-head interleaved q|gate projection, row stride ldp) -> the o_proj GEMM input.
-// Grid (ceil(N / 64), nh), 128 threads: warp w owns query rows 16w..16w+15 of the block's 64; K/V tiles of BKV keys
-// stream through shared memory by cp.async, double-buffered. Heaviest query tiles (the last) are scheduled first.
+// Grid (the pass's chunks of 64 rows, nh), 128 threads: warp w owns query rows 16w..16w+15 of the block's 64; K/V
+// tiles of BKV keys stream through shared memory by cp.async, double-buffered. Tiles are scheduled last first (a
+// sequence's heaviest first).
 // Bytes: q + o ~ N*nh*HD*4 + (keys read once per query tile, from L2). FLOPs 4 * nh * HD * sum_n (pos0 + n + 1).
 #include "mma.cuh"
 
@@ -24,7 +27,7 @@ struct FlashCfg {
 template <int HD, int BKV>
 __device__ __forceinline__ void flash_body(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
                                            const __nv_bfloat16* __restrict__ vc, const float* __restrict__ proj,
-                                           int ldp, int N, int pos0, int nh, int nkv, float scale,
+                                           int ldp, int N, int pos0, int qt, int nh, int nkv, float scale,
                                            __nv_bfloat16* __restrict__ out) {
     using C = FlashCfg<HD, BKV>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -32,13 +35,11 @@ __device__ __forceinline__ void flash_body(const __nv_bfloat16* __restrict__ q, 
     __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(smem + C::Q_BYTES);
     __nv_bfloat16* Vs = reinterpret_cast<__nv_bfloat16*>(smem + C::Q_BYTES + 2 * C::KV_BYTES);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int qt = gridDim.x - 1 - blockIdx.x;  // heaviest first
     const int h = blockIdx.y, kvh = h / (nh / nkv);
     const int n0 = qt * 64;
     const int nmax = min(N, n0 + 64) - 1;     // last valid query of the tile
     const int nkeys = pos0 + nmax + 1;        // keys this tile needs
     const int ntiles = (nkeys + BKV - 1) / BKV;
-    pdl_wait();
 
     // Q tile: 64 rows x HD (zero past N)
     constexpr int QCH = 64 * HD / 8;  // 16-byte chunks
@@ -178,12 +179,19 @@ __device__ __forceinline__ void flash_body(const __nv_bfloat16* __restrict__ q, 
     }
 }
 
+// Block (x, h): chunk gridDim.x - 1 - x of the pass, tile qt of its sequence s; q, proj and out from s's first row.
 #define FLASH(NAME, HD, BKV)                                                                                      \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                     \
-        const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kc,                              \
-        const __nv_bfloat16* __restrict__ vc, const float* __restrict__ proj, int ldp, int N, int pos0, int nh,  \
-        int nkv, float scale, __nv_bfloat16* __restrict__ out) {                                               \
-        flash_body<HD, BKV>(q, kc, vc, proj, ldp, N, pos0, nh, nkv, scale, out);                                \
+        const __nv_bfloat16* __restrict__ q, const unsigned long long* __restrict__ kcs,                        \
+        const unsigned long long* __restrict__ vcs, const float* __restrict__ proj, int ldp,                    \
+        const int* __restrict__ segs, int nseg, int nh, int nkv, float scale, __nv_bfloat16* __restrict__ out) { \
+        pdl_wait();                                                                                             \
+        const int c = gridDim.x - 1 - blockIdx.x, si = seg_find(segs, nseg, c, 3);                             \
+        const Seg sg = seg_at(segs, si);                                                                        \
+        const long r0 = sg.r0;                                                                                  \
+        flash_body<HD, BKV>(q + r0 * nh * HD, reinterpret_cast<const __nv_bfloat16*>(kcs[si]),                  \
+                            reinterpret_cast<const __nv_bfloat16*>(vcs[si]), proj + r0 * ldp, ldp, sg.k, sg.pos0,  \
+                            c - sg.c0, nh, nkv, scale, out + r0 * nh * HD);                                     \
     }
 
 FLASH(flash_prefill_hd256, 256, 32)

@@ -1,7 +1,9 @@
 // Multi-token (prefill) kernels around the tensor-core GEMMs of gemm.cu and the flash attention of flash.cu: N
-// tokens of one sequence, continuing from the state it holds (KV cache rows, GDN conv ring and f32 recurrent
-// state, passed in as base pointers and the first position pos0). Activations are f32 [N, ...] row-major except
-// GEMM inputs, which are bf16. All math in f32; precise expf/logf where the decode kernels' results must be met.
+// rows, the new tokens of one or more sequences (segments, common.cuh: Seg), each continuing from the state it
+// holds (KV cache rows, GDN conv ring and f32 recurrent state, from pointer tables indexed by the sequence, and its
+// first position pos0). Activations are f32 [N, ...] row-major except GEMM inputs, which are bf16. All math in
+// f32; precise expf/logf where the decode kernels' results must be met. A row's (or chunk's) arithmetic does not
+// depend on the other sequences in the pass: a sequence's results are the same bit for bit alone or with others.
 //
 // embed_rows      x[n] = dequant(embed[ids[n]]) (4-bit). Grid N. Bytes N*H*(4 + 0.5).
 // rmsnorm_rows    xb[n] = bf16(x[n] * rsqrt(mean(x[n]^2) + eps) * gain), and the f32 copy xn[n] when xn != 0.
@@ -23,12 +25,14 @@
 //                 p % K holds position p), SiLU, l2-norm of q and k per key head (q also * dk^-1/2), beta =
 //                 sigmoid(b), gl = -exp(A_log) * softplus(a + dt_bias) (the log of the decay). -> qkv [N,
 //                 conv_dim] (same channel layout), beta/gl [N, Hv]. Grid N, 256 threads.
-// gdn_chunk_prep  chunked delta rule, phase 1 (every chunk of 64 tokens and value head in parallel; operands by
+// gdn_chunk_prep  chunked delta rule, phase 1 (every chunk of a sequence's 64 tokens, of every sequence, and value
+//                 head in parallel; operands by
 //                 cp.async): G = cumsum gl, A[i,j] = beta_i e^{G_i-G_j} k_i.k_j (j < i), P[i,j] = e^{G_i-G_j} q_i.k_j
 //                 (j <= i); solves (I + A) [U | W] = [diag(beta) V | diag(beta e^G) K] by forward substitution (one
 //                 column per thread). -> U [c,h,64,dv], W [c,h,64,dk], P [c,h,64,64], G [c,h,64].
 //                 FLOPs per chunk-head ~ 2*64*64*(2dk) + 64*64*(dk+dv).
-// gdn_chunk_state phase 2a (sequential over chunks), per (value head, 32-column slice), state slice S [dk,32] f32 in
+// gdn_chunk_state phase 2a (sequential over a sequence's chunks), per (value head, 32-column slice, sequence),
+//                 state slice S [dk,32] f32 in
 //                 shared memory, the next chunk's operands double-buffered: Sc[c] = S; D = U - W S (over U);
 //                 S <- e^{G_last} S + (diag(e^{G_last - G}) K)^T D. FLOPs per chunk-slice 2*64*32*2dk.
 // gdn_chunk_out   phase 2b (every chunk and head in parallel): o = diag(e^G) Q Sc + P D -> o [N, Hv, dv] f32.
@@ -387,21 +391,27 @@ __device__ __forceinline__ float conv_in(const float* proj, int ldp, const float
     return ring[(p % K) * conv_dim + ch];
 }
 
+// Grid N (rows), 256 threads; row n's ring is rings[its sequence].
 extern "C" __global__ void __launch_bounds__(256) gdn_prep(const float* __restrict__ proj, int ldp,
-                                                           const float* __restrict__ ring,
+                                                           const unsigned long long* __restrict__ rings,
                                                            const float* __restrict__ conv_w,
                                                            const float* __restrict__ a_log,
                                                            const float* __restrict__ dt_bias, int Hk, int Hv, int dk,
-                                                           int dv, int K, int pos0, float* __restrict__ qkv,
-                                                           float* __restrict__ beta, float* __restrict__ gl) {
+                                                           int dv, int K, const int* __restrict__ segs, int nseg,
+                                                           float* __restrict__ qkv, float* __restrict__ beta,
+                                                           float* __restrict__ gl) {
     pdl_wait();
     const int n = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, Vd = Hv * dv;
-    const int p = pos0 + n;
+    const int si = seg_find(segs, nseg, n, 0);
+    const Seg sg = seg_at(segs, si);
+    const float* ring = reinterpret_cast<const float*>(rings[si]);
+    const float* sproj = proj + (long)sg.r0 * ldp;  // the sequence's first row
+    const int pos0 = sg.pos0, p = pos0 + n - sg.r0;
     auto conv = [&](int ch) {
         float acc = 0.f;
         for (int j = 0; j < K; j++)
-            acc = fmaf(conv_w[ch * K + j], conv_in(proj, ldp, ring, conv_dim, K, pos0, p - (K - 1) + j, ch), acc);
+            acc = fmaf(conv_w[ch * K + j], conv_in(sproj, ldp, ring, conv_dim, K, pos0, p - (K - 1) + j, ch), acc);
         return silu_f(acc);
     };
     float* out = qkv + (long)n * conv_dim;
@@ -445,11 +455,12 @@ __device__ __forceinline__ void copy_rows(float* dst, int lds, const float* src,
     }
 }
 
-// Phase 1. Grid (chunks, Hv), 256 threads; dk, dv <= 128, dk + dv <= 256, both % 4 == 0.
+// Phase 1. Grid (chunks of the pass, Hv), 256 threads; dk, dv <= 128, dk + dv <= 256, both % 4 == 0.
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __restrict__ qkv,
                                                                  const float* __restrict__ beta,
-                                                                 const float* __restrict__ gl, int N, int Hk, int Hv,
-                                                                 int dk, int dv, float* __restrict__ Ug,
+                                                                 const float* __restrict__ gl,
+                                                                 const int* __restrict__ segs, int nseg, int Hk,
+                                                                 int Hv, int dk, int dv, float* __restrict__ Ug,
                                                                  float* __restrict__ Wg, float* __restrict__ Pg,
                                                                  float* __restrict__ Gg) {
     extern __shared__ __align__(16) float sm[];
@@ -462,7 +473,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
     pdl_wait();
     const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
-    const int t0 = c * GC, L = min(GC, N - t0);
+    const Seg sg = seg_at(segs, seg_find(segs, nseg, c, 3));
+    const int t0 = sg.r0 + (c - sg.c0) * GC, L = min(GC, sg.r0 + sg.k - t0);
     const float* rows = qkv + (long)t0 * conv_dim;
     copy_rows(Qs, ldk, rows + kh * dk, conv_dim, GC, L, dk / 4);
     copy_rows(Ks, ldk, rows + Kd + kh * dk, conv_dim, GC, L, dk / 4);
@@ -559,16 +571,18 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
 }
 
 #define GS_C 32  // state columns per block of the scan
-// Phase 2a: the state through the chunks in order. Grid (Hv, ceil(dv / 32)), 256 threads; dk <= 128, dk % 4 == 0,
+// Phase 2a: a sequence's state through its chunks in order. Grid (Hv, ceil(dv / 32), sequences), 256 threads;
+// states[s] = sequence s's state [Hv, dk, dv]; dk <= 128, dk % 4 == 0,
 // dv % 4 == 0. Per chunk: Sc[c] <- S (the chunk's starting state, for gdn_chunk_out); D = U - W S (written over
 // U); S <- e^{G_last} S + (diag(e^{G_last - G}) K)^T D. The next chunk's W, K, U, G arrive by cp.async while
 // this one computes (two buffers).
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* __restrict__ qkv,
                                                                   float* __restrict__ Ug,
                                                                   const float* __restrict__ Wg,
-                                                                  const float* __restrict__ Gg, int N, int Hk, int Hv,
-                                                                  int dk, int dv, float* __restrict__ Sc,
-                                                                  float* __restrict__ state) {
+                                                                  const float* __restrict__ Gg,
+                                                                  const int* __restrict__ segs, int Hk, int Hv, int dk,
+                                                                  int dv, float* __restrict__ Sc,
+                                                                  const unsigned long long* __restrict__ states) {
     extern __shared__ __align__(16) float sm[];
     const int ldk = dk + 4;
     const int buf_f = 2 * GC * ldk + GC * GS_C + GC;  // floats of one buffer: W, K, U slice, G
@@ -580,12 +594,13 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* _
     const int h = blockIdx.x, j0 = blockIdx.y * GS_C, tid = threadIdx.x;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
     const int nc = min(GS_C, dv - j0);
-    const int nchunks = (N + GC - 1) / GC;
-    float* S = state + (long)h * dk * dv;
+    const Seg sg = seg_at(segs, blockIdx.z);
+    const int nchunks = (sg.k + GC - 1) / GC;  // chunk c of the sequence is chunk sg.c0 + c of the pass
+    float* S = reinterpret_cast<float*>(states[blockIdx.z]) + (long)h * dk * dv;
     auto issue = [&](int c) {
         float* b = bufs + (c & 1) * buf_f;
-        const long cb = (long)c * Hv + h;
-        const int t0 = c * GC, L = min(GC, N - t0);
+        const long cb = (long)(sg.c0 + c) * Hv + h;
+        const int t0 = sg.r0 + c * GC, L = min(GC, sg.k - c * GC);
         copy_rows(b, ldk, Wg + cb * GC * dk, dk, GC, GC, dk / 4);
         copy_rows(b + GC * ldk, ldk, qkv + (long)t0 * conv_dim + Kd + kh * dk, conv_dim, GC, L, dk / 4);
         copy_rows(b + 2 * GC * ldk, GS_C, Ug + cb * GC * dv + j0, dv, GC, GC, nc / 4);
@@ -599,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* _
     }
     const int rg = tid >> 3, cg = tid & 7;
     for (int c = 0; c < nchunks; c++) {
-        const long cb = (long)c * Hv + h;
+        const long cb = (long)(sg.c0 + c) * Hv + h;
         if (c + 1 < nchunks) {
             issue(c + 1);  // into the other buffer: its last readers finished before the previous chunk's last barrier
             cp_async_wait<1>();
@@ -683,13 +698,14 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* _
     }
 }
 
-// Phase 2b: outputs, every (chunk, value head) in parallel: O = diag(e^G) Q Sc + P D. Grid (chunks, Hv), 256
+// Phase 2b: outputs, every (chunk, value head) in parallel: O = diag(e^G) Q Sc + P D. Grid (chunks of the pass, Hv), 256
 // threads: 4 tokens x 8 columns each; dk <= 128, dv <= 128, both % 8 == 0 (dk % 4).
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(const float* __restrict__ qkv,
                                                                 const float* __restrict__ Dg,
                                                                 const float* __restrict__ Pg,
                                                                 const float* __restrict__ Gg,
-                                                                const float* __restrict__ Sc, int N, int Hk, int Hv,
+                                                                const float* __restrict__ Sc,
+                                                                const int* __restrict__ segs, int nseg, int Hk, int Hv,
                                                                 int dk, int dv, float* __restrict__ o) {
     extern __shared__ __align__(16) float sm[];
     const int ldk = dk + 4, ldv = dv + 4;
@@ -701,7 +717,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(const float* __r
     pdl_wait();
     const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
-    const int t0 = c * GC, L = min(GC, N - t0);
+    const Seg sg = seg_at(segs, seg_find(segs, nseg, c, 3));
+    const int t0 = sg.r0 + (c - sg.c0) * GC, L = min(GC, sg.r0 + sg.k - t0);
     const long cb = (long)c * Hv + h;
     copy_rows(Qs, ldk, qkv + (long)t0 * conv_dim + kh * dk, conv_dim, GC, L, dk / 4);
     copy_rows(Ss, ldv, Sc + cb * dk * dv, dv, dk, dk, dv / 4);
@@ -788,22 +805,27 @@ extern "C" __global__ void __launch_bounds__(256) gdn_gated_norm(const float* __
     }
 }
 
-extern "C" __global__ void gdn_ring(const float* __restrict__ proj, int ldp, int conv_dim, int K, int pos0, int N,
-                                    float* __restrict__ ring) {
+// Grid (any, sequences): blockIdx.y's sequence, grid-stride over its last min(rows, K) rows.
+extern "C" __global__ void gdn_ring(const float* __restrict__ proj, int ldp, int conv_dim, int K,
+                                    const int* __restrict__ segs, const unsigned long long* __restrict__ rings) {
     pdl_wait();
-    const int first = max(0, N - K);
+    const Seg sg = seg_at(segs, blockIdx.y);
+    float* ring = reinterpret_cast<float*>(rings[blockIdx.y]);
+    const int N = sg.k, first = max(0, N - K);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (N - first) * conv_dim; i += gridDim.x * blockDim.x) {
         const int n = first + i / conv_dim, ch = i % conv_dim;
-        ring[((pos0 + n) % K) * conv_dim + ch] = proj[(long)n * ldp + ch];
+        ring[((sg.pos0 + n) % K) * conv_dim + ch] = proj[(long)(sg.r0 + n) * ldp + ch];
     }
 }
 
 // ---- attention
 
+// Grid (N rows, nh + nkv), hd threads; row n's caches are kcs / vcs[its sequence].
 extern "C" __global__ void attn_prep_rows(const float* __restrict__ proj, int ldp, const float* __restrict__ qn,
-                                          const float* __restrict__ kn, int pos0, int nh, int nkv, int hd, int rd,
-                                          float theta, float eps, __nv_bfloat16* __restrict__ qout,
-                                          __nv_bfloat16* __restrict__ kc, __nv_bfloat16* __restrict__ vc) {
+                                          const float* __restrict__ kn, const int* __restrict__ segs, int nseg, int nh,
+                                          int nkv, int hd, int rd, float theta, float eps,
+                                          __nv_bfloat16* __restrict__ qout, const unsigned long long* __restrict__ kcs,
+                                          const unsigned long long* __restrict__ vcs) {
     __shared__ float red[32];
     __shared__ float xs[256];
     pdl_wait();
@@ -812,7 +834,9 @@ extern "C" __global__ void attn_prep_rows(const float* __restrict__ proj, int ld
     const int kvh = bh - nh;
     const float* row = proj + (long)n * ldp;
     const float gd = (is_q ? qn : kn)[d];
-    const int pos = pos0 + n;
+    const int si = seg_find(segs, nseg, n, 0);
+    const Seg sg = seg_at(segs, si);
+    const int pos = sg.pos0 + n - sg.r0;
     const float x = is_q ? row[bh * 2 * hd + d] : row[nh * 2 * hd + kvh * hd + d];
     const float ss = block_sum(d < hd ? x * x : 0.f, red);
     float y = x * rsqrtf(ss / hd + eps) * gd;
@@ -830,7 +854,7 @@ extern "C" __global__ void attn_prep_rows(const float* __restrict__ proj, int ld
         qout[((long)n * nh + bh) * hd + d] = __float2bfloat16(y);
     } else {
         const long r = ((long)pos * nkv + kvh) * hd + d;
-        kc[r] = __float2bfloat16(y);
-        vc[r] = __float2bfloat16(row[nh * 2 * hd + nkv * hd + kvh * hd + d]);
+        reinterpret_cast<__nv_bfloat16*>(kcs[si])[r] = __float2bfloat16(y);
+        reinterpret_cast<__nv_bfloat16*>(vcs[si])[r] = __float2bfloat16(row[nh * 2 * hd + nkv * hd + kvh * hd + d]);
     }
 }
