@@ -378,8 +378,9 @@ impl DeviceModel {
     /// sequence's last row gives its logits and draw as `want[r]` says. Every row's arithmetic is that of the
     /// one-sequence prefill ([`DeviceState::prefill`]) of as many rows as the pass, so the state left behind is the
     /// same bit for bit as the sequence's own prefill where both take the same router and expert kernels (both passes
-    /// of at most [`crate::prefill::STREAM_MAX_TOKENS`] rows, or both longer; across that line the router's sums and
-    /// the experts' bf16-rounded GEMM weights differ by rounding). The last row's logits are those of its
+    /// of at most [`crate::prefill::STREAM_MAX_TOKENS`] rows, or both longer; across that line the router's sums, the
+    /// experts' bf16-rounded GEMM weights and the dense GEMMs' K split differ by rounding). The last row's logits are
+    /// those of its
     /// all-positions lm_head GEMM. Input checks first; a failed launch leaves the sequences' states undefined.
     pub fn prefill_seqs(
         &self,

@@ -253,6 +253,21 @@ impl PassTables {
     }
 }
 
+/// The K-split of the dense GEMM in a short pass (at most [`STREAM_MAX_TOKENS`] rows; longer ones fill the GPU with
+/// token tiles and take 1) for a weight of `rows` x `cols`: doubled while the blocks of one 128-token tile would
+/// still fill at most half the multiprocessors' two slots each, up to 8 (a cluster) and at least 8 k-steps of 64 a
+/// block. out_proj and o_proj (2,048 rows of 4,096): 4, so a 128-token launch has 64 blocks instead of 16 (74 -> 21
+/// us at 8 rows on the H200). A row's sums so depend only on the weight and on which side of the line the pass is,
+/// as the MoE's kernels do ([`DeviceModel::prefill_experts`]); at 4,096 rows the split cost 2.4 ms a prefill.
+pub(crate) fn gemm_split(rows: usize, cols: usize, sms: usize) -> usize {
+    let (tiles, ksteps) = (rows.div_ceil(128), cols.div_ceil(64));
+    let mut kz = 1;
+    while kz < 8 && 2 * tiles * 2 * kz <= sms && ksteps >= 2 * kz * 8 {
+        kz *= 2;
+    }
+    kz
+}
+
 /// The shapes a dense 4-bit product over `n` bf16 rows takes (gemm_q4, dense_seqs): 4-bit W, cols a multiple of
 /// 32, a power-of-two group size ≥ 32 dividing them; x holding n rows of cols, y n rows of stride ldy ≥ W.rows.
 pub(crate) fn check_dense(
@@ -293,13 +308,18 @@ impl Gpu {
         let f = if add { &self.f.gemm_q4_add } else { &self.f.gemm_q4_store };
         let (z64, z32) = (0i64, 0i32);
         let (r, k, ni, ld) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32);
+        let kz = if n <= STREAM_MAX_TOKENS { gemm_split(m.rows, m.cols, self.sms as usize) } else { 1 };
         let mut l = self.launcher(f);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&z64).arg(&z64).arg(&r).arg(&k).arg(&glog).arg(&z32).arg(&z32).arg(&z32);
         l.arg(x).arg(&k).arg(&ni).arg(&NULL).arg(&NULL).arg(&NULL).arg(&*y).arg(&ld);
+        l.cluster = (kz > 1).then_some((1, 1, kz as u32));
+        let mut lc = cfg((m.rows.div_ceil(128) as u32, n.div_ceil(128) as u32), 256, GEMM_DENSE_SMEM);
+        lc.grid_dim.2 = kz as u32;
         // SAFETY: matches gemm_q4_store/_add (GEMM_Q4 in gemm.cu); x holds n rows of cols bf16, y n rows of stride
         // ldy >= rows (checked above); W is a whole QMat (rows x cols/8 words, rows x cols/gs scales/biases); rows and
-        // tokens past the ends are zero-filled and never stored; shared memory as GemmCfg<128, *, 3>.
-        unsafe { l.launch(cfg((m.rows.div_ceil(128) as u32, n.div_ceil(128) as u32), 256, GEMM_DENSE_SMEM)) }?;
+        // tokens past the ends are zero-filled and never stored; shared memory as GemmCfg<128, *, 3> (its ring holds a
+        // block's 64 KB of split sums); kz <= 8 blocks a cluster, each with at least one k-step (gemm_split).
+        unsafe { l.launch(lc) }?;
         Ok(())
     }
 
@@ -1170,10 +1190,11 @@ pub(crate) enum MoeExperts {
 }
 
 /// A prefill pass of at most this many tokens takes the streamed expert kernels where the model's shapes allow
-/// ([`DeviceModel::streamed_moe`]): with ~8 pairs per routed expert the grouped GEMMs' 64-token tiles are mostly
+/// ([`DeviceModel::streamed_moe`]): with a few pairs per routed expert the grouped GEMMs' 64-token tiles are mostly
 /// empty (a 256-token pass: 0.34 ms a layer for gate|up, measured), while the streamed kernels read each expert once
-/// per 8 pairs.
-pub const STREAM_MAX_TOKENS: usize = 256;
+/// per 8 pairs. The same line splits the dense GEMMs' K ([`gemm_split`]). The line is where the two meet on the H200 (TTFT of one prompt, streamed / GEMM: 384 tokens 32.4 /
+/// 43.7 ms, 512 37.0 / 48.9, 768 51.0 / 53.2, 1,024 64.8 / 60.5; `TERN_STREAM_MAX_TOKENS` moves it for the A/B).
+pub const STREAM_MAX_TOKENS: usize = 768;
 
 impl DeviceModel {
     /// Whether the streamed router and expert kernels take this model's shapes: sizes in multiples of their group
@@ -1188,9 +1209,12 @@ impl DeviceModel {
         })
     }
 
-    /// The expert kernels of a prefill pass of `n` tokens.
+    /// The expert kernels of a prefill pass of `n` tokens (the line at [`STREAM_MAX_TOKENS`], or at
+    /// `TERN_STREAM_MAX_TOKENS` for the bench's A/B).
     pub(crate) fn prefill_experts(&self, n: usize) -> MoeExperts {
-        match n <= STREAM_MAX_TOKENS && self.streamed_moe() {
+        static LINE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let env = || std::env::var("TERN_STREAM_MAX_TOKENS").ok().and_then(|v| v.parse().ok());
+        match n <= *LINE.get_or_init(|| env().unwrap_or(STREAM_MAX_TOKENS)) && self.streamed_moe() {
             true => MoeExperts::Streamed,
             false => MoeExperts::Gemm,
         }
@@ -1321,4 +1345,34 @@ pub fn prefill_flops(c: &Config, m: &DeviceModel, pos0: usize, n: usize) -> f64 
         };
     }
     total + 2.0 * (m.lm_head.rows * m.lm_head.cols) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pass fits by its rows and by its sequences' own chunks of 64 (each sequence starts a new chunk).
+    #[test]
+    fn pass_fits_counts_rows_and_each_sequences_chunks() {
+        assert!(pass_fits(4096, [4096]));
+        assert!(!pass_fits(4096, [4097]));
+        assert!(pass_fits(4096, [80; 32]), "2,560 rows in 64 chunks");
+        assert!(!pass_fits(4096, [80; 33]), "2,640 rows but 66 chunks");
+        assert!(pass_fits(4096, [64; 64]));
+        assert!(!pass_fits(4096, [65, 4000]), "4,065 rows in 2 + 63 chunks");
+        assert!(pass_fits(100, [1, 1]), "a chunk of 100 rows has room for 2 chunks");
+        assert!(!pass_fits(100, [1, 1, 1]));
+        assert_eq!((pass_chunks(1), pass_chunks(64), pass_chunks(65)), (1, 1, 2));
+    }
+
+    /// The dense GEMM splits K only for short, wide weights, by shape alone, within a cluster.
+    #[test]
+    fn gemm_split_follows_the_shape() {
+        assert_eq!(gemm_split(2048, 4096, 132), 4, "out_proj / o_proj");
+        assert_eq!(gemm_split(12352, 2048, 132), 1, "GDN in_proj");
+        assert_eq!(gemm_split(248320, 2048, 132), 1, "lm_head");
+        assert_eq!(gemm_split(256, 4096, 132), 8, "a cluster at most");
+        assert_eq!(gemm_split(256, 1024, 132), 2, "8 k-steps a block at least");
+        assert_eq!(gemm_split(256, 512, 132), 1);
+    }
 }

@@ -383,11 +383,11 @@ fn batched_draws_match_the_sampler_on_their_rows() {
 #[test]
 fn multi_sequence_prefill_equals_each_prefill_alone() {
     let Some(_g) = gpu_or_skip("multi_sequence_prefill_equals_each_prefill_alone") else { return };
-    let full = CudaBackend::random(&full_config(), 5, CudaOptions::with_context(512)).unwrap();
-    let tiny = CudaBackend::new(&tiny_b_q4(), CudaOptions::with_context(512)).unwrap();
+    let full = CudaBackend::random(&full_config(), 5, CudaOptions::with_context(2048)).unwrap();
+    let tiny = CudaBackend::new(&tiny_b_q4(), CudaOptions::with_context(2048)).unwrap();
     let small = [2usize, 65, 1, 100, 17, 64];
     assert!(small.iter().sum::<usize>() <= tern_cuda::prefill::STREAM_MAX_TOKENS);
-    let big = [300usize, 257];
+    let big = [900usize, 769];
     assert!(big.iter().all(|&b| b > tern_cuda::prefill::STREAM_MAX_TOKENS));
     for (name, be, lens) in [
         ("tiny-b", &tiny, &small[..]),

@@ -23,8 +23,16 @@
 // e's weights start at e * e_words / e * e_groups; the shared expert is e == E with inner size Is (routed: I).
 // GE_SWIGLU gathers X rows through rowmap (pair -> token); GE_GSTORE reads the pairs' rows of X (act) in order.
 //
+// Split K (dense only): grid z = KZ blocks (one cluster, KZ in 2, 4, 8) take k-steps [KT z / KZ, KT (z + 1) / KZ)
+// each of the same tile; each leaves its sums in its shared memory and after a cluster barrier block z adds a KZ-th
+// of the tile's sums over the cluster, in z order (from 0.f), and stores them. KZ is chosen by the weight's shape in
+// short passes and is 1 in long ones (gemm_split in prefill.rs), so a row's sums depend on nothing else.
+//
 // Bytes: R*K/2 + R*K/gs*4 of weights (+ X from L2, once per 128-row tile); FLOPs 2*N*R*K (grouped: per pair).
 #include "mma.cuh"
+#include <cooperative_groups.h>
+#include <type_traits>
+namespace cg = cooperative_groups;
 
 #define GE_STORE 0
 #define GE_ADD 1
@@ -88,7 +96,10 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
     const uint32_t* we = w + e * e_words;
     const __nv_bfloat16* se = sc + e * e_groups;
     const __nv_bfloat16* be = bi + e * e_groups;
-    const int kwords = Ke >> 3, ngroups = Ke >> glog, KT = (Ke + 63) >> 6;
+    const int kwords = Ke >> 3, ngroups = Ke >> glog, KTA = (Ke + 63) >> 6;
+    // this block's k-steps kt0 .. kt0 + KT - 1 (all of them unless the launch splits K: dense, gridDim.z > 1)
+    const int kz = GROUPED ? 1 : (int)gridDim.z, zi = GROUPED ? 0 : (int)blockIdx.z;
+    const int kt0 = KTA * zi / kz, KT = KTA * (zi + 1) / kz - kt0;
 
     // ---- this thread's weight row (loads, dequant) and X rows (loads), fixed for the whole k loop
     const int drow = tid >> 1, dhalf = tid & 1;  // dequant / W load: row drow, columns 32*dhalf..+31 of a k-step
@@ -129,7 +140,7 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
     auto load_stage = [&](int kt) {
         if (kt < KT) {
             unsigned char* st = ring + (kt % S) * C::STAGE;
-            const int k0 = kt * 64;
+            const int k0 = (kt0 + kt) * 64;
             {
                 const int kc = k0 + 32 * dhalf;
                 const bool ok = wvalid && kc < Ke;
@@ -149,7 +160,7 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
     };
     // scale/bias of this thread's row and half-k-step, one k-step ahead in registers
     auto load_sb = [&](int kt, __nv_bfloat162& s2, __nv_bfloat162& b2) {
-        const int kc = kt * 64 + 32 * dhalf;
+        const int kc = (kt0 + kt) * 64 + 32 * dhalf;
         __nv_bfloat16 s = __float2bfloat16(0.f), b = __float2bfloat16(0.f);
         if (wvalid && kt < KT && kc < Ke) {
             s = ssrc[kc >> glog];
@@ -241,6 +252,48 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
                     }
                 }
     } else {
+        if (kz > 1) {
+            // every block's sums into its shared memory (the ring: idle once every warp is past the last k-step),
+            // [sum index q][thread]; then block z adds the cluster's sums q of its share, in z order, and stores them
+            float* zs = reinterpret_cast<float*>(smem);
+            __syncthreads();
+#pragma unroll
+            for (int mi = 0; mi < C::MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < C::NI; ni++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) zs[((mi * C::NI + ni) * 4 + c) * 256 + tid] = acc[mi][ni][c];
+            cg::cluster_group cluster = cg::this_cluster();
+            cluster.sync();  // every block's sums are in its shared memory
+            float* out = reinterpret_cast<float*>(y);
+            auto share = [&](auto kzc) {
+                constexpr int KZ = decltype(kzc)::value, PER = C::MI * C::NI * 4 / KZ;
+                const float* src[KZ];
+#pragma unroll
+                for (int z = 0; z < KZ; z++) src[z] = cluster.map_shared_rank(zs, z) + tid;
+#pragma unroll 4
+                for (int i = 0; i < PER; i++) {
+                    const int q = zi * PER + i, c = q & 3, ni = (q >> 2) % C::NI, mi = (q >> 2) / C::NI;
+                    float v[KZ];
+#pragma unroll
+                    for (int z = 0; z < KZ; z++) v[z] = src[z][q * 256];
+                    float sum = 0.f;
+#pragma unroll
+                    for (int z = 0; z < KZ; z++) sum += v[z];
+                    const int r = m0 + wm * C::WR + mi * 16 + g + (c >= 2 ? 8 : 0);
+                    const int n = wn * C::WC + ni * 8 + 2 * t4 + (c & 1);
+                    if (r < R && n < cnt) {
+                        float* o = out + (long)(p0 + n) * ldy + r;
+                        *o = MODE == GE_ADD ? *o + sum : sum;
+                    }
+                }
+            };
+            if (kz == 2) share(std::integral_constant<int, 2>{});
+            if (kz == 4) share(std::integral_constant<int, 4>{});
+            if (kz == 8) share(std::integral_constant<int, 8>{});
+            cluster.sync();  // no block leaves while another may still read its sums
+            return;
+        }
         float* out = reinterpret_cast<float*>(y);
 #pragma unroll
         for (int mi = 0; mi < C::MI; mi++)
