@@ -1,7 +1,10 @@
-//! Prefill on the GPU: a prompt chunk of N tokens of one sequence through every layer in one pass of kernels per
-//! layer (crates/tern-kernels/cuda/{gemm,prefill,flash}.cu), continuing from the state the sequence holds (KV cache
-//! rows, GDN conv ring and f32 recurrent state) and leaving it as N single decode steps would (within the dtypes'
-//! tolerance), with the logits of the last position (and, when asked, of every position).
+//! Prefill on the GPU: a prompt chunk of N tokens through every layer in one pass of kernels per layer
+//! (crates/tern-kernels/cuda/{gemm,prefill,flash}.cu), continuing from the state the sequence holds (KV cache rows,
+//! GDN conv ring and f32 recurrent state) and leaving it as N single decode steps would (within the dtypes'
+//! tolerance), with the logits of the last position (and, when asked, of every position). The per-sequence kernels
+//! (GDN prep, chunks and ring; attention prep and flash) read the sequences' state through [`PassTables`] and
+//! [`SegTable`], so one launch serves every sequence of a multi-sequence pass ([`DeviceModel::prefill_seqs`]) as it
+//! serves the one of this prefill.
 //!
 //! Per layer (N tokens):
 //! - GDN: rmsnorm_rows → gemm_q4 (in_proj, 12,352 rows) → gdn_prep (conv + SiLU + l2-norms + gates) →
