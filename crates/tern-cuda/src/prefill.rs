@@ -655,7 +655,7 @@ impl Gpu {
             "gdn_chunk_prep: inputs"
         );
         ensure!(sc.holds(d, segs.chunks), "gdn_chunk_prep: scratch for {} chunks", segs.chunks);
-        let smem = (GDN_CHUNK * (d.dk + 4) * 2 + GDN_CHUNK * (GDN_CHUNK + 1) + GDN_CHUNK * (d.dk + d.dv)) * 4;
+        let smem = (GDN_CHUNK * (d.dk + 4) * 2 + GDN_CHUNK * (GDN_CHUNK + 4) + GDN_CHUNK * (d.dk + d.dv)) * 4;
         let v = [segs.n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
         let mut l = self.launcher(&self.f.gdn_chunk_prep);
         l.arg(qkv).arg(beta).arg(gl).arg(&segs.dev).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);

@@ -468,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
     float* Ks = sm;                  // [64][dk+4]
     float* Qs = Ks + GC * ldk;       // [64][dk+4]
     float* Xs = Qs + GC * ldk;       // [64][dv+dk]: V, then the right-hand sides, then the solution
-    float* As = Xs + GC * ncol;      // [64][65]
+    float* As = Xs + GC * ncol;      // [64][68] (rows 16-byte aligned: float4 reads)
     __shared__ float Gs[GC], Bs[GC];
     pdl_wait();
     const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
@@ -529,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
             for (int q = 0; q < 4; q++) {
                 const int j = 4 * tj + q;
                 const float dec = j <= i ? expf(Gs[i] - Gs[j]) : 0.f;
-                As[i * (GC + 1) + j] = j < i ? Bs[i] * dec * a[r][q] : 0.f;
+                As[i * (GC + 4) + j] = j < i ? Bs[i] * dec * a[r][q] : 0.f;
                 pv[q] = p[r][q] * dec;
             }
             *reinterpret_cast<float4*>(Pg + cb * GC * GC + i * GC + 4 * tj) = make_float4(pv[0], pv[1], pv[2], pv[3]);
@@ -544,28 +544,37 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
         }
     }
     __syncthreads();
-    // forward substitution (I + A) X = RHS in place; each thread owns its column (four partial sums per row)
+    // forward substitution (I + A) X = RHS; each thread owns its column, held in registers (the loops unrolled: every
+    // index is a constant), four partial sums per row (j mod 4, the remainder into the first), A's row read 4 at a time
     if (col < ncol) {
-        float* xc = Xs + col;
+        const float* xc = Xs + col;
+        float x[GC];
+#pragma unroll
+        for (int i = 0; i < GC; i++) x[i] = xc[i * ncol];
+#pragma unroll
         for (int i = 1; i < GC; i++) {
-            const float* ai = As + i * (GC + 1);
+            const float* ai = As + i * (GC + 4);
             float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-            int j = 0;
-            for (; j + 4 <= i; j += 4) {
-                s0 = fmaf(ai[j], xc[j * ncol], s0);
-                s1 = fmaf(ai[j + 1], xc[(j + 1) * ncol], s1);
-                s2 = fmaf(ai[j + 2], xc[(j + 2) * ncol], s2);
-                s3 = fmaf(ai[j + 3], xc[(j + 3) * ncol], s3);
+#pragma unroll
+            for (int j = 0; j + 4 <= i; j += 4) {
+                const float4 a = *reinterpret_cast<const float4*>(ai + j);
+                s0 = fmaf(a.x, x[j], s0);
+                s1 = fmaf(a.y, x[j + 1], s1);
+                s2 = fmaf(a.z, x[j + 2], s2);
+                s3 = fmaf(a.w, x[j + 3], s3);
             }
-            for (; j < i; j++) s0 = fmaf(ai[j], xc[j * ncol], s0);
-            xc[i * ncol] -= (s0 + s1) + (s2 + s3);
+#pragma unroll
+            for (int j = i & ~3; j < i; j++) s0 = fmaf(ai[j], x[j], s0);
+            x[i] -= (s0 + s1) + (s2 + s3);
         }
         if (col < dv) {
             float* U = Ug + cb * GC * dv + col;
-            for (int i = 0; i < GC; i++) U[i * dv] = xc[i * ncol];
+#pragma unroll
+            for (int i = 0; i < GC; i++) U[i * dv] = x[i];
         } else {
             float* W = Wg + cb * GC * dk + (col - dv);
-            for (int i = 0; i < GC; i++) W[i * dk] = xc[i * ncol];
+#pragma unroll
+            for (int i = 0; i < GC; i++) W[i * dk] = x[i];
         }
     }
 }
