@@ -214,23 +214,11 @@ impl Backend for CudaSlots {
             }
             // prompt chunks (not asking for every position's logits) in multi-sequence prefills when there are two
             // or more, within the prefill chunk's tokens per pass
-            let prompts: Vec<usize> = (0..work.len())
+            let prompts: Vec<(usize, usize)> = (0..work.len())
                 .filter(|&i| out[i].is_none() && work[i].ids.len() > 1 && !matches!(work[i].out, Want::All))
+                .map(|i| (i, work[i].ids.len()))
                 .collect();
-            let (chunk, mut group) = (self.step_tokens(), Vec::<usize>::new());
-            let mut prefills = Vec::new();
-            let fits = |g: &[usize], k: usize| pass_fits(chunk, g.iter().map(|&j| work[j].ids.len()).chain([k]));
-            for i in prompts {
-                let k = work[i].ids.len();
-                if group.len() == MAX_SEQS || (!group.is_empty() && !fits(&group, k)) {
-                    prefills.push(std::mem::take(&mut group));
-                }
-                if fits(&[], k) {
-                    group.push(i);
-                }
-            }
-            prefills.push(group);
-            groups.extend(prefills.into_iter().filter(|g| g.len() >= 2).map(|g| (Pass::Prefill, g)));
+            groups.extend(prefill_groups(&prompts, self.step_tokens()).into_iter().map(|g| (Pass::Prefill, g)));
             for (pass, group) in groups {
                 let results = Self::run_batch(&self.cuda, work, &mut items, &group, pass);
                 for (&i, r) in group.iter().zip(results) {
@@ -259,6 +247,27 @@ impl Backend for CudaSlots {
         drop(t);
         out.into_iter().map(|o| o.unwrap_or_else(|| Err(anyhow!("step item left without a result")))).collect()
     }
+}
+
+/// The multi-sequence prefill passes for prompt chunks `(item, rows)`, in order: consecutive groups of at most
+/// [`MAX_SEQS`] that [`pass_fits`] the buffers of a `chunk`-row prefill. A chunk that fits no pass by itself, and a
+/// group of one, are left out (those run alone).
+fn prefill_groups(prompts: &[(usize, usize)], chunk: usize) -> Vec<Vec<usize>> {
+    let (mut groups, mut group, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    for &(i, k) in prompts {
+        if !pass_fits(chunk, [k]) {
+            continue;
+        }
+        if group.len() == MAX_SEQS || !pass_fits(chunk, rows.iter().copied().chain([k])) {
+            groups.push(std::mem::take(&mut group));
+            rows.clear();
+        }
+        group.push(i);
+        rows.push(k);
+    }
+    groups.push(group);
+    groups.retain(|g| g.len() >= 2);
+    groups
 }
 
 /// Which batched pass a group of items takes.
@@ -334,5 +343,30 @@ impl CudaSlots {
                 })
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Prompt chunks go into passes in order, each within the rows and chunks of one prefill chunk and MAX_SEQS
+    /// sequences; lone chunks and chunks over the prefill chunk are left to run alone.
+    #[test]
+    fn prefill_groups_fill_passes_in_order() {
+        let p = |lens: &[usize]| lens.iter().copied().enumerate().collect::<Vec<_>>();
+        // 33 prompts of 80 rows: 32 fill a pass's 64 chunks of 64 rows, the 33rd is alone
+        assert_eq!(prefill_groups(&p(&[80; 33]), 4096), vec![(0..32).collect::<Vec<_>>()]);
+        // at most MAX_SEQS a pass
+        let g = prefill_groups(&p(&[2; 70]), 4096);
+        assert_eq!(g.iter().map(Vec::len).collect::<Vec<_>>(), vec![MAX_SEQS, 70 - MAX_SEQS]);
+        // a chunk over the prefill chunk is skipped; the rest still group around it
+        assert_eq!(prefill_groups(&p(&[3000, 5000, 1000, 64]), 4096), vec![vec![0, 2, 3]]);
+        // 4,096 rows but 47 + 16 + 2 chunks: the last starts a pass of its own (left out alone)
+        assert_eq!(prefill_groups(&p(&[3000, 1000, 96]), 4096), vec![vec![0, 1]]);
+        // rows: 3000 + 1000 fit, + 200 does not; the 200 alone is left out
+        assert_eq!(prefill_groups(&p(&[3000, 1000, 200]), 4096), vec![vec![0, 1]]);
+        assert!(prefill_groups(&p(&[10]), 4096).is_empty());
+        assert!(prefill_groups(&[], 4096).is_empty());
     }
 }
