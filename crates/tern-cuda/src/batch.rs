@@ -37,8 +37,8 @@ use crate::gpu::{cfg, Gpu};
 use crate::gpu::{Experts, QMat};
 use crate::model::{DMixer, DeviceModel};
 use crate::prefill::{
-    check_dense, log2_exact, moe_rows, pass_fits, scratch_rows, tables, GdnDims, MoeExperts, MoeSorted, PassTables,
-    PrefillBuffers, Routes, SMEM_MAX,
+    check_dense, log2_exact, moe_rows, pass_fits, prefill_layers, scratch_rows, tables, GdnDims, MoeExperts, MoeSorted,
+    PassTables, PrefillBuffers, Routes, SMEM_MAX,
 };
 use crate::sample::SampleBatch;
 use crate::seq::{DeviceState, Profile};
@@ -408,8 +408,7 @@ impl DeviceModel {
             ensure!(s.layers.len() == self.layers.len(), "a sequence of another model");
         }
         let total: usize = chunks.iter().map(|c| c.len()).sum();
-        let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
-        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
         let mut guard =
             self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
         ensure!(
@@ -430,37 +429,7 @@ impl DeviceModel {
         let all: Vec<u32> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
         let starts: Vec<usize> = chunks.iter().scan(0, |r, c| Some(std::mem::replace(r, *r + c.len()))).collect();
         g.embed_rows(&self.embed, &all, &mut sc.ids, &mut sc.x)?;
-        let mut no_mark = |_: &'static str| Ok(());
-        for (li, l) in self.layers.iter().enumerate() {
-            if li == 0 {
-                g.rmsnorm_rows(&sc.x, total, &l.in_norm, eps, &mut sc.xb, None)?;
-            }
-            let (ta, tb) = t.layer(li);
-            let segs = &t.segs;
-            match &l.mixer {
-                DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
-                    let ldp = proj.rows;
-                    g.gemm_q4(proj, &sc.xb, total, &mut sc.proj, ldp, false)?;
-                    let (qkv, beta, gl) = (&mut sc.qkv, &mut sc.beta, &mut sc.gl);
-                    g.gdn_prep(&sc.proj, ldp, &ta, conv, a_log, dt_bias, d, segs, qkv, beta, gl)?;
-                    g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, segs, d, &mut sc.chunks)?;
-                    g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, segs, d, &tb, &mut sc.o)?;
-                    g.gdn_ring(&sc.proj, ldp, d, segs, &ta)?;
-                    g.gdn_gated_norm(&sc.o, &sc.proj, ldp, total, d, norm, eps, &mut sc.xb)?;
-                    g.gemm_q4(out, &sc.xb, total, &mut sc.x, h, true)?;
-                }
-                DMixer::Attn { qkv, o, qn, kn } => {
-                    let ldp = qkv.rows;
-                    g.gemm_q4(qkv, &sc.xb, total, &mut sc.proj, ldp, false)?;
-                    let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
-                    g.attn_prep_rows(&sc.proj, ldp, qn, kn, segs, dims, theta, eps, &mut sc.qb, (&ta, &tb))?;
-                    g.flash_prefill(&sc.qb, (&ta, &tb), &sc.proj, ldp, segs, (nh, nkv, hd), &mut sc.xb)?;
-                    g.gemm_q4(o, &sc.xb, total, &mut sc.x, h, true)?;
-                }
-            }
-            let next = self.layers.get(li + 1).map(|l| &l.in_norm);
-            moe_rows(self, li, sc, total, self.prefill_experts(total), None, next, &mut no_mark)?;
-        }
+        prefill_layers(self, sc, t, total, None, &mut |_| Ok(()))?;
         for (r, k) in chunks.iter().map(|c| c.len()).enumerate() {
             let last = starts[r] + k - 1;
             g.stream.memcpy_dtod(&sc.x.slice(last * h..(last + 1) * h), &mut sq.last.slice_mut(r * h..(r + 1) * h))?;

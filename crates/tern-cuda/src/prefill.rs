@@ -1103,55 +1103,10 @@ impl DeviceState {
         ensure!(n <= sc.cap, "prefill chunk of {n} tokens over the buffers' {}", sc.cap);
         let pos0 = self.len;
         let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-        let d = GdnDims::of(c);
-        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         t.segs.set(g, &[(n, pos0)])?;
         mark("embed")?;
         g.embed_rows(&m.embed, ids, &mut sc.ids, &mut sc.x)?;
-        let mut route_log = routes;
-        for (li, l) in m.layers.iter().enumerate() {
-            if li == 0 {
-                // later layers' input norms go with the combine before them (moe_rows)
-                mark("rmsnorm")?;
-                g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
-            }
-            let (ta, tb) = t.layer(li);
-            let segs = &t.segs;
-            match &l.mixer {
-                DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
-                    let ldp = proj.rows;
-                    mark("gdn_in_proj (gemm)")?;
-                    g.gemm_q4(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
-                    mark("gdn_prep")?;
-                    let (qkv, beta, gl) = (&mut sc.qkv, &mut sc.beta, &mut sc.gl);
-                    g.gdn_prep(&sc.proj, ldp, &ta, conv, a_log, dt_bias, d, segs, qkv, beta, gl)?;
-                    mark("gdn_chunk_prep")?;
-                    g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, segs, d, &mut sc.chunks)?;
-                    mark("gdn_chunk_scan")?;
-                    g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, segs, d, &tb, &mut sc.o)?;
-                    mark("gdn_ring+gated_norm")?;
-                    g.gdn_ring(&sc.proj, ldp, d, segs, &ta)?;
-                    g.gdn_gated_norm(&sc.o, &sc.proj, ldp, n, d, norm, eps, &mut sc.xb)?;
-                    mark("gdn_out_proj (gemm)")?;
-                    g.gemm_q4(out, &sc.xb, n, &mut sc.x, h, true)?;
-                }
-                DMixer::Attn { qkv, o, qn, kn } => {
-                    let ldp = qkv.rows;
-                    mark("attn_qkv (gemm)")?;
-                    g.gemm_q4(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
-                    let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
-                    mark("attn_prep")?;
-                    g.attn_prep_rows(&sc.proj, ldp, qn, kn, segs, dims, theta, eps, &mut sc.qb, (&ta, &tb))?;
-                    mark("attn_flash")?;
-                    g.flash_prefill(&sc.qb, (&ta, &tb), &sc.proj, ldp, segs, (nh, nkv, hd), &mut sc.xb)?;
-                    mark("attn_o_proj (gemm)")?;
-                    g.gemm_q4(o, &sc.xb, n, &mut sc.x, h, true)?;
-                }
-            }
-            let routes = route_log.as_deref_mut().map(|r| &mut r[li]);
-            let next = m.layers.get(li + 1).map(|l| &l.in_norm);
-            moe_rows(m, li, sc, n, m.prefill_experts(n), routes.map(Routes::Log), next, &mut mark)?;
-        }
+        prefill_layers(m, sc, t, n, routes, &mut mark)?;
         if let Some(out) = all_logits {
             let v = c.vocab_size;
             mark("lm_head all rows")?;
@@ -1181,6 +1136,66 @@ impl DeviceState {
         self.pos_stale = false;
         Ok(())
     }
+}
+
+/// Every layer over a prefill pass's `n` rows of `sc.x` (embedded; the sequences' state pointers and segments in
+/// `t`), leaving the last layer's output in `sc.x`: the input norm before layer 0 (later ones go with the combine
+/// before them), the mixer (GEMMs over all rows; the GDN or attention kernels over every sequence at once), the MoE
+/// block. `routes` logs every layer's expert choices; `mark` names each kernel family before its launch.
+pub(crate) fn prefill_layers(
+    m: &DeviceModel,
+    sc: &mut Scratch,
+    t: &PassTables,
+    n: usize,
+    mut routes: Option<&mut Vec<Vec<usize>>>,
+    mark: &mut dyn FnMut(&'static str) -> Result<()>,
+) -> Result<()> {
+    let (g, c) = (&*m.gpu, &m.config);
+    let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    for (li, l) in m.layers.iter().enumerate() {
+        if li == 0 {
+            mark("rmsnorm")?;
+            g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
+        }
+        let (ta, tb) = t.layer(li);
+        let segs = &t.segs;
+        match &l.mixer {
+            DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
+                let ldp = proj.rows;
+                mark("gdn_in_proj (gemm)")?;
+                g.gemm_q4(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                mark("gdn_prep")?;
+                let (qkv, beta, gl) = (&mut sc.qkv, &mut sc.beta, &mut sc.gl);
+                g.gdn_prep(&sc.proj, ldp, &ta, conv, a_log, dt_bias, d, segs, qkv, beta, gl)?;
+                mark("gdn_chunk_prep")?;
+                g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, segs, d, &mut sc.chunks)?;
+                mark("gdn_chunk_scan")?;
+                g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, segs, d, &tb, &mut sc.o)?;
+                mark("gdn_ring+gated_norm")?;
+                g.gdn_ring(&sc.proj, ldp, d, segs, &ta)?;
+                g.gdn_gated_norm(&sc.o, &sc.proj, ldp, n, d, norm, eps, &mut sc.xb)?;
+                mark("gdn_out_proj (gemm)")?;
+                g.gemm_q4(out, &sc.xb, n, &mut sc.x, h, true)?;
+            }
+            DMixer::Attn { qkv, o, qn, kn } => {
+                let ldp = qkv.rows;
+                mark("attn_qkv (gemm)")?;
+                g.gemm_q4(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
+                let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
+                mark("attn_prep")?;
+                g.attn_prep_rows(&sc.proj, ldp, qn, kn, segs, dims, theta, eps, &mut sc.qb, (&ta, &tb))?;
+                mark("attn_flash")?;
+                g.flash_prefill(&sc.qb, (&ta, &tb), &sc.proj, ldp, segs, (nh, nkv, hd), &mut sc.xb)?;
+                mark("attn_o_proj (gemm)")?;
+                g.gemm_q4(o, &sc.xb, n, &mut sc.x, h, true)?;
+            }
+        }
+        let held = routes.as_deref_mut().map(|r| Routes::Log(&mut r[li]));
+        let next = m.layers.get(li + 1).map(|l| &l.in_norm);
+        moe_rows(m, li, sc, n, m.prefill_experts(n), held, next, mark)?;
+    }
+    Ok(())
 }
 
 /// How the MoE block's router and expert products run: router_rows and tensor-core GEMMs over 64-token tiles (long
