@@ -691,9 +691,11 @@ impl Gpu {
 
     /// `y[t, r] (+)= W[r] · x[t]` for the `n` ≤ [`MAX_SEQS`] bf16 rows of `x` (`[n, cols]`) and a 4-bit matrix (the
     /// batched step's dense projections and lm_head) on tensor cores: exact 4-bit codes, f32 scale/bias arithmetic and
-    /// accumulation, one block per 8 tokens and 128 rows (or 32 rows with the columns split over its warps, where
-    /// 128-row blocks would not fill the GPU twice over); y `[n, ldy]` f32, `add` adds to it (the residual).
-    /// Shapes it does not take (fewer than 16 rows, columns not a multiple of 32 or of the group size) are refused.
+    /// accumulation; y `[n, ldy]` f32, `add` adds to it (the residual). Where the shapes allow (group size 64, rows a
+    /// multiple of 16, columns of 256) the ring kernel ([`Gpu::dense_ring`]: every weight read and dequantised once
+    /// for all n tokens), else one block per 8 tokens and 128 rows (or 32 rows with the columns split over its warps,
+    /// where 128-row blocks would not fill the GPU twice over). Shapes neither takes (fewer than 16 rows, columns not
+    /// a multiple of 32 or of the group size) are refused.
     pub fn dense_seqs(
         &self,
         m: &QMat,
@@ -706,6 +708,11 @@ impl Gpu {
         ensure!(n <= MAX_SEQS, "dense_seqs: {n} rows (1..={MAX_SEQS})");
         check_dense(m, x, n, y, ldy, "dense_seqs")?;
         ensure!(m.rows >= 16, "dense_seqs: {} rows (at least 16)", m.rows);
+        if self.dense_ring.load(std::sync::atomic::Ordering::Relaxed) && m.gs == 64 {
+            if let Some(kz) = dense_ring_split(m.rows, m.cols, n, self.sms as usize) {
+                return self.dense_ring(m, x, n, y, ldy, add, kz);
+            }
+        }
         let w = mma_words(m.gs, &[m.cols]);
         let full = n.div_ceil(MM_TG) * m.rows.div_ceil(MM_ROWS);
         let ks = match full < 2 * self.sms as usize && m.cols % (4 * 32 * w) == 0 && m.cols % (4 * m.gs) == 0 {
@@ -740,6 +747,60 @@ impl Gpu {
         // (check_dense); blocks past n tokens store nothing; shared memory as laid out there for cols / kz columns
         // (checked against the opt-in limit); with kz > 1 (<= 8, dense_split) the kz blocks of one (x, y) are one
         // cluster, as the kernel's sum over the ranges assumes.
+        unsafe { l.launch(lc) }?;
+        Ok(())
+    }
+
+    /// [`Gpu::dense_seqs`] through moe_seqs.cu's `dense_ring_n{1,2,4,8}` with the columns split `kz` ways (one
+    /// cluster; [`dense_ring_split`] picks it, the bench tries others): blocks of 128 rows that stream their weights
+    /// as whole lines through shared memory and dequantise each k-block once for all n tokens (n / 8 groups of 8,
+    /// rounded up to a power of two). Group size 64, rows a multiple of 16, columns of 256 kz, at most 32,768 staged
+    /// token-columns a block (checked).
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense_ring(
+        &self,
+        m: &QMat,
+        x: &CudaSlice<u16>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+        ldy: usize,
+        add: bool,
+        kz: usize,
+    ) -> Result<()> {
+        ensure!((1..=MAX_SEQS).contains(&n), "dense_ring: {n} rows (1..={MAX_SEQS})");
+        check_dense(m, x, n, y, ldy, "dense_ring")?;
+        let tgs = ring_token_slots(n);
+        ensure!(
+            m.gs == 64 && m.rows >= 16 && m.rows % 16 == 0 && [1, 2, 4, 8].contains(&kz) && m.cols % (256 * kz) == 0,
+            "dense_ring: {} x {} group {} in {kz} column ranges (group 64, rows of 16, columns of 256 a range)",
+            m.rows,
+            m.cols,
+            m.gs
+        );
+        let cz = m.cols / kz;
+        ensure!(cz * tgs <= DENSE_RING_X, "dense_ring: {cz} columns x {tgs} token slots a block");
+        let smem = ring_smem(cz, tgs);
+        ensure!(smem <= SMEM_MAX, "dense_ring: {smem} bytes of shared memory");
+        let f = match tgs {
+            8 => &self.f.dense_ring_n1,
+            16 => &self.f.dense_ring_n2,
+            32 => &self.f.dense_ring_n4,
+            _ => &self.f.dense_ring_n8,
+        };
+        let (r, c, ni, ld, a) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32, add as i32);
+        let mut l = self.launcher(f);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(x).arg(&ni).arg(&*y).arg(&ld).arg(&a);
+        if kz > 1 {
+            l.cluster = Some((1, 1, kz as u32));
+        }
+        let mut lc = cfg((m.rows.div_ceil(DENSE_RING_ROWS) as u32, 1), 128, smem);
+        lc.grid_dim.2 = kz as u32;
+        // SAFETY: matches dense_ring_n{1,2,4,8} (moe_seqs.cu) for tgs = 8 NT token slots >= n; W is a whole 4-bit QMat
+        // (rows x cols/8 words, rows x cols/64 scales/biases) with rows a multiple of 16 (items past the end read valid
+        // rows and store nothing), each of the kz column ranges whole 256-column chunks with cz * tgs within stage_mma's
+        // exact division (checked); x holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); shared
+        // memory ring_smem(cz, tgs) as laid out there (checked against the opt-in limit; a warp's sums for its
+        // cluster, 32 x tgs floats, fit in its ring); with kz > 1 (<= 8) the kz blocks of one row range are one cluster.
         unsafe { l.launch(lc) }?;
         Ok(())
     }
@@ -866,6 +927,43 @@ fn dense_split(groups: usize, cols: usize, unit: usize, gunit: usize, sms: usize
     [8, 4, 2].into_iter().find(|&kz| fits(kz)).unwrap_or(1)
 }
 
+/// Rows per block of dense_ring (RING_NW warps x RING_R items of 16 rows).
+const DENSE_RING_ROWS: usize = 128;
+/// At most this many staged token-columns (columns x token slots) a dense_ring block: 64 KB of bf16 tokens, which
+/// keeps two blocks a multiprocessor and stage_mma's division by the token count exact.
+const DENSE_RING_X: usize = 32768;
+
+/// Token slots of dense_ring for n tokens: 8 per group of 8, the groups rounded up to 1, 2, 4 or 8.
+fn ring_token_slots(n: usize) -> usize {
+    8 * n.div_ceil(8).next_power_of_two()
+}
+
+/// Column ranges dense_ring splits a `rows x cols` product at `n` tokens over (one cluster), or None where dense_seqs
+/// keeps the register-streamed kernel: shapes the ring kernel does not take (rows not a multiple of 16, columns not of
+/// 256), and above 16 tokens every matrix but the few-row ones (fewer than sms / 4 row blocks: out_proj, o_proj).
+/// Otherwise the fewest of 1, 2, 4, 8 ranges that give at least 1.4 blocks a multiprocessor, within the staged-token
+/// limit (DENSE_RING_X); where none does, the most that fits.
+///
+/// Measured on the H200 (tern bench, us a launch at n = 1 / 8 / 16 / 32 / 64, ring with 1 / 2 / 4 / 8 ranges against
+/// the register-streamed kernel): in_proj (97 row blocks) best in 2 ranges up to 16 tokens (n = 8: 9.9 / 9.4 / 12.4 /
+/// 15.7 against 12.9) and slower than it above (n = 32: 25.8 at best against 21.5); q|k|v (72) in 4 (n = 8: 8.1
+/// against 12.6); out_proj / o_proj (16) in 8 at every n (n = 8 / 64: 6.4 / 22.0 against 10.0 / 28.7); the lm_head
+/// (1,940) in 1 up to 16 tokens (n = 8 / 16: 102 / 150 against 127 / 226) and slower above (n = 32: 404 against 425
+/// at best, n = 64: 799 against the GEMM's 448).
+fn dense_ring_split(rows: usize, cols: usize, n: usize, sms: usize) -> Option<usize> {
+    if rows < 16 || rows % 16 != 0 || cols % 256 != 0 || !(1..=MAX_SEQS).contains(&n) {
+        return None;
+    }
+    let blocks = rows.div_ceil(DENSE_RING_ROWS);
+    if n > 16 && 4 * blocks >= sms {
+        return None;
+    }
+    let tgs = ring_token_slots(n);
+    let fits = |kz: &usize| cols % (256 * kz) == 0 && cols / kz * tgs <= DENSE_RING_X;
+    let mut ways = [1, 2, 4, 8].into_iter().filter(fits);
+    ways.clone().find(|kz| 5 * blocks * kz >= 7 * sms).or_else(|| ways.next_back())
+}
+
 /// Packed words per lane per k-block of the streamed expert kernels: 2 (k-blocks of 64 columns) where the group size
 /// and every inner size allow it, else 1 (32 columns).
 fn mma_words(gs: usize, ks: &[usize]) -> usize {
@@ -914,6 +1012,31 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// dense_ring's column ranges (host side, no GPU) for the model's matrices on 132 multiprocessors, and the shapes
+    /// it leaves to the register-streamed kernel.
+    #[test]
+    fn dense_ring_split_fills_the_gpu_within_shared_memory() {
+        let split = |rows, cols| [1, 8, 16, 32, 64].map(|n| dense_ring_split(rows, cols, n, 132));
+        // in_proj (97 row blocks), q|gate|k|v (72), out_proj / o_proj (16), lm_head (1,940)
+        assert_eq!(split(12352, 2048), [Some(2), Some(2), Some(2), None, None]);
+        assert_eq!(split(9216, 2048), [Some(4), Some(4), Some(4), None, None]);
+        assert_eq!(split(2048, 4096), [Some(8); 5]);
+        assert_eq!(split(248320, 2048), [Some(1), Some(1), Some(1), None, None]);
+        // few row blocks: the most ranges of whole chunks (1,024 columns: 4), whatever the tokens
+        assert_eq!(dense_ring_split(512, 2048, 64, 132), Some(8));
+        assert_eq!(dense_ring_split(512, 1024, 64, 132), Some(4));
+        assert_eq!(dense_ring_split(512, 1024, 1, 132), Some(4));
+        assert_eq!(ring_token_slots(1), 8);
+        assert_eq!(ring_token_slots(9), 16);
+        assert_eq!(ring_token_slots(33), 64);
+        // rows not a multiple of 16, columns not of 256
+        assert_eq!(dense_ring_split(1000, 2048, 8, 132), None);
+        assert_eq!(dense_ring_split(2048, 96, 8, 132), None);
+        // 1,280 columns (5 chunks) split no further: they fit 8 token slots, not 64
+        assert_eq!(dense_ring_split(512, 1280, 8, 132), Some(1));
+        assert_eq!(dense_ring_split(512, 1280, 64, 132), None);
+    }
 
     /// dense_seqs' column split (host side, no GPU): 4 / 2 / 1 ways for the 2,048-row matrices at 8 / 16 / 32 rows on
     /// 132 multiprocessors, never more ways than the columns, the group size or a cluster (8) allow.

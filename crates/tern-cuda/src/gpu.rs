@@ -83,6 +83,7 @@ funcs! {
     moe_gate_up_ring_t8: "moe_seqs", moe_down_ring_t4: "moe_seqs", moe_down_ring_t8: "moe_seqs",
     router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs",
     dense_seqs_w1_k1: "moe_seqs", dense_seqs_w2_k1: "moe_seqs", dense_seqs_w1_k4: "moe_seqs", dense_seqs_w2_k4: "moe_seqs",
+    dense_ring_n1: "moe_seqs", dense_ring_n2: "moe_seqs", dense_ring_n4: "moe_seqs", dense_ring_n8: "moe_seqs",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
     // multi-token (prefill) kernels: see prefill.rs
@@ -248,6 +249,9 @@ pub struct Gpu {
     /// The batched step's lm_head at more than 32 rows through the 128-row GEMM (`Gpu::lm_head_seqs`;
     /// `TERN_DENSE_GEMM=0` keeps dense_seqs): the bench A/Bs the two.
     pub dense_gemm: std::sync::atomic::AtomicBool,
+    /// dense_seqs takes the ring kernel where the shapes allow (moe_seqs.cu `dense_ring_n*`; default,
+    /// `TERN_DENSE_RING=0` turns it off): the bench A/Bs the two.
+    pub dense_ring: std::sync::atomic::AtomicBool,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -373,6 +377,7 @@ impl Gpu {
             omit: std::sync::atomic::AtomicBool::new(false),
             moe_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_MOE_RING").map_or(true, |v| v != "0")),
             dense_gemm: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_GEMM").map_or(true, |v| v != "0")),
+            dense_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_RING").map_or(true, |v| v != "0")),
             _modules: modules.into_iter().map(|m| m.1).collect(),
         }))
     }

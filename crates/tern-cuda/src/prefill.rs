@@ -67,6 +67,10 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.dense_seqs_w2_k1,
         &f.dense_seqs_w1_k4,
         &f.dense_seqs_w2_k4,
+        &f.dense_ring_n1,
+        &f.dense_ring_n2,
+        &f.dense_ring_n4,
+        &f.dense_ring_n8,
         &f.gdn_step_seqs,
     ]
 }

@@ -117,8 +117,9 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
     // read adjacent 32 bytes); the 4 W units of one (kb, t) are adjacent lanes, and units is a multiple of 4 W, so a
     // shuffle group is all in range or all out
     const int units = nt * (cols / 8);
-    // q / nt as a multiply and a shift (exact for nt <= 8 and q < 8192; q < nt cols / 32 here): the runtime
-    // divisions were most of the staging's instructions
+    // q / nt as a multiply and a shift (exact while q (magic nt - 2^16) < 2^16: for nt <= 8 and q < 8192, and for
+    // dense_ring's nt <= 64 with q < 1024; q < nt cols / (32 W) here): the runtime divisions were most of the
+    // staging's instructions
     const unsigned magic = (65536u + nt - 1) / nt;
     constexpr int PER = sizeof(T) == 4 ? 4 : 8;
     for (int u0 = 0; u0 < units; u0 += PER * blockDim.x) {  // uniform trip count: the shuffles see every lane
@@ -244,6 +245,55 @@ __device__ __forceinline__ void copy_scales(const __nv_bfloat16* __restrict__ s,
     cp_async_commit();
 }
 
+// A k-block's A operands, dequantised once (frag_mma) and applied to one or more 8-token groups (apply_mma).
+template <int W>
+struct MmaFrag {
+    uint32_t a[W][2][4];  // word i: the A fragments of its pairs 0, 1 and 2, 3 (rows g and g + 8)
+};
+
+// The dequantised A fragments of one k-block of rows g (w0s) and g + 8 (w1s).
+template <int W>
+__device__ __forceinline__ void frag_mma(const uint32_t (&w0s)[W], const uint32_t (&w1s)[W], uint32_t mask,
+                                         uint32_t hi, MmaFrag<W>& f) {
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+        const uint32_t w0 = w0s[i], w1 = w1s[i];
+        f.a[i][0][0] = q4_pair(w0, 0, mask, hi);
+        f.a[i][0][1] = q4_pair(w1, 0, mask, hi);
+        f.a[i][0][2] = q4_pair(w0, 1, mask, hi);
+        f.a[i][0][3] = q4_pair(w1, 1, mask, hi);
+        f.a[i][1][0] = q4_pair(w0, 2, mask, hi);
+        f.a[i][1][1] = q4_pair(w1, 2, mask, hi);
+        f.a[i][1][2] = q4_pair(w0, 3, mask, hi);
+        f.a[i][1][3] = q4_pair(w1, 3, mask, hi);
+    }
+}
+
+// A k-block's sums into tot: the two mma accumulators' C (cb + cb2), then s C + (b - 128 s) X per row and token.
+__device__ __forceinline__ void kblock_sum(float (&cb)[4], const float (&cb2)[4], float2 xsm, float s0, float s1,
+                                           float c0, float c1, float (&tot)[4]) {
+#pragma unroll
+    for (int v = 0; v < 4; v++) cb[v] += cb2[v];
+    const float b0 = fmaf(-128.f, s0, c0), b1 = fmaf(-128.f, s1, c1);
+    tot[0] = fmaf(s0, cb[0], fmaf(b0, xsm.x, tot[0]));
+    tot[1] = fmaf(s0, cb[1], fmaf(b0, xsm.y, tot[1]));
+    tot[2] = fmaf(s1, cb[2], fmaf(b1, xsm.x, tot[2]));
+    tot[3] = fmaf(s1, cb[3], fmaf(b1, xsm.y, tot[3]));
+}
+
+// kblock_mma's arithmetic (below) on fragments dequantised beforehand (frag_mma): the same sums bit for bit.
+template <int W>
+__device__ __forceinline__ void apply_mma(const MmaFrag<W>& f, const uint4 (&x)[W], float2 xsm, float s0, float s1,
+                                          float c0, float c1, float (&tot)[4]) {
+    float cb[4] = {0.f, 0.f, 0.f, 0.f}, cb2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+        mma_bf16(cb, f.a[i][0], x[i].x, x[i].y);
+        mma_bf16(cb2, f.a[i][1], x[i].z, x[i].w);
+    }
+    kblock_sum(cb, cb2, xsm, s0, s1, c0, c1, tot);
+}
+
 // One item's k-block on tensor cores, shared by rows_mma and rows_ring: tot (+)= s (C - 128 X) + b X for rows g, g + 8
 // (tot[0..1] and [2..3]) and the lane's tokens 2c, 2c + 1, where C = sum (128 + q) x over the k-block's W words of each
 // row (w0s: row g, w1s: row g + 8; x the staged activations of those words), X = xsm (the tokens' sums), s0 / s1
@@ -264,13 +314,7 @@ __device__ __forceinline__ void kblock_mma(const uint32_t (&w0s)[W], const uint3
                                 q4_pair(w1, 3, mask, hi)};
         mma_bf16(cb2, a1, x[i].z, x[i].w);
     }
-#pragma unroll
-    for (int v = 0; v < 4; v++) cb[v] += cb2[v];
-    const float b0 = fmaf(-128.f, s0, c0), b1 = fmaf(-128.f, s1, c1);
-    tot[0] = fmaf(s0, cb[0], fmaf(b0, xsm.x, tot[0]));
-    tot[1] = fmaf(s0, cb[1], fmaf(b0, xsm.y, tot[1]));
-    tot[2] = fmaf(s1, cb[2], fmaf(b1, xsm.x, tot[2]));
-    tot[3] = fmaf(s1, cb[3], fmaf(b1, xsm.y, tot[3]));
+    kblock_sum(cb, cb2, xsm, s0, s1, c0, c1, tot);
 }
 
 // tot[r][0..3] = (row g, tokens 2c, 2c+1), (row g + 8, tokens 2c, 2c+1) of item r: the products of the lane's rows
@@ -550,12 +594,13 @@ struct RingItem {
 
 // The products of this warp's item sets: set it (< sets), item r: rows 0-7 at item(it, r).w with row stride rs
 // bytes, rows 8-15 at + wstep (scales likewise: srs, swstep), over nc chunks, with the staged tokens (xs, xsum; nt of
-// them); emit(it, tot) gets each set's sums, tot[r][0..3] as rows_mma's. `stg` stages xs / xsum (block-wide, ending
+// them in TGS slots, NT groups of 8 when NT > 1: each k-block's weights dequantised once for all of them); emit(it,
+// tot) gets each set's sums, tot[t][r][0..3] as rows_mma's for token group t (tokens 8 t + 2c, + 1). `stg` stages xs / xsum (block-wide, ending
 // with a barrier) once the first stage is in flight. The ring is this warp's RING_S stages. Every lane of the warp
 // calls it; cp.async groups are committed one per unit (empty ones too), so that waiting for all but the newest
 // RING_S - 2 leaves the unit about to be used complete; the __syncwarp after that wait makes every lane's copies
 // visible to the warp, and (one unit later) keeps a stage from being refilled while a lane still reads it.
-template <int TGS, typename Item, typename Stage, typename Emit>
+template <int TGS, int NT = 1, typename Item, typename Stage, typename Emit>
 __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, long wstep, long srs, long swstep,
                                           int nt, const uint4* xs, const float* xsum, unsigned char* ring, Stage stg,
                                           Emit emit) {
@@ -602,9 +647,11 @@ __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, 
         cp_async_commit();
     }
     stg();
-    float tot[R][4];
+    float tot[NT][R][4];
 #pragma unroll
-    for (int r = 0; r < R; r++) tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f;
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) tot[t][r][0] = tot[t][r][1] = tot[t][r][2] = tot[t][r][3] = 0.f;
     int un = 0, cslot = 0;
     for (int it = 0; it < sets; it++)
         for (int cc = 0; cc < nc; cc++, un++) {
@@ -626,30 +673,53 @@ __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, 
 #pragma unroll
             for (int kbl = 0; kbl < 4; kbl++) {
                 const int kb = cc * 4 + kbl;
-                uint4 x[2];
-#pragma unroll
-                for (int i = 0; i < 2; i++)
-                    x[i] = tok ? xs[(kb * 2 + i) * (4 * TGS) + lane] : make_uint4(0u, 0u, 0u, 0u);
-                float2 xsm = make_float2(0.f, 0.f);
-                if (2 * q4 < TGS) xsm = *reinterpret_cast<const float2*>(xsum + kb * TGS + 2 * q4);
                 const int woff = g * 128 + (((2 * kbl + (q4 >> 1)) ^ g) << 4) + (q4 & 1) * 8;
+                // group kbl's scale and bias of rows g and g + 8 (bf16 in the low or high half of a pair)
+                auto half = [&](const uint2& v) {
+                    const uint32_t p = kbl < 2 ? v.x : v.y;
+                    return __uint_as_float((kbl & 1) ? p & 0xffff0000u : p << 16);
+                };
+                if constexpr (NT == 1) {
+                    uint4 x[2];
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    const uint2 wl = lds64(slot + r * 2048 + woff), wh = lds64(slot + r * 2048 + 1024 + woff);
-                    const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
-                    // group kbl's scale and bias of rows g and g + 8 (bf16 in the low or high half of a pair)
-                    auto half = [&](const uint2& v) {
-                        const uint32_t p = kbl < 2 ? v.x : v.y;
-                        return __uint_as_float((kbl & 1) ? p & 0xffff0000u : p << 16);
-                    };
-                    kblock_mma<2>(w0s, w1s, x, xsm, half(sv[r][0]), half(sv[r][1]), half(bv[r][0]), half(bv[r][1]),
-                                  mask, hi, tot[r]);
+                    for (int i = 0; i < 2; i++)
+                        x[i] = tok ? xs[(kb * 2 + i) * (4 * TGS) + lane] : make_uint4(0u, 0u, 0u, 0u);
+                    float2 xsm = make_float2(0.f, 0.f);
+                    if (2 * q4 < TGS) xsm = *reinterpret_cast<const float2*>(xsum + kb * TGS + 2 * q4);
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        const uint2 wl = lds64(slot + r * 2048 + woff), wh = lds64(slot + r * 2048 + 1024 + woff);
+                        const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
+                        kblock_mma<2>(w0s, w1s, x, xsm, half(sv[r][0]), half(sv[r][1]), half(bv[r][0]),
+                                      half(bv[r][1]), mask, hi, tot[0][r]);
+                    }
+                } else {
+                    // each item's fragments once, then every token group's activations applied to them
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        const uint2 wl = lds64(slot + r * 2048 + woff), wh = lds64(slot + r * 2048 + 1024 + woff);
+                        const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
+                        MmaFrag<2> fr;
+                        frag_mma<2>(w0s, w1s, mask, hi, fr);
+#pragma unroll
+                        for (int t = 0; t < NT; t++) {
+                            // slots of tokens past nt hold stale values: their sums are never stored
+                            uint4 x[2];
+#pragma unroll
+                            for (int i = 0; i < 2; i++) x[i] = xs[(kb * 2 + i) * (4 * TGS) + 32 * t + lane];
+                            const float2 xsm = *reinterpret_cast<const float2*>(xsum + kb * TGS + 8 * t + 2 * q4);
+                            apply_mma<2>(fr, x, xsm, half(sv[r][0]), half(sv[r][1]), half(bv[r][0]), half(bv[r][1]),
+                                         tot[t][r]);
+                        }
+                    }
                 }
             }
             if (cc == nc - 1) {
                 emit(it, tot);
 #pragma unroll
-                for (int r = 0; r < R; r++) tot[r][0] = tot[r][1] = tot[r][2] = tot[r][3] = 0.f;
+                for (int t = 0; t < NT; t++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) tot[t][r][0] = tot[t][r][1] = tot[t][r][2] = tot[t][r][3] = 0.f;
             }
         }
     trace_mark(1);
@@ -696,7 +766,7 @@ __device__ __forceinline__ void moe_gate_up_ring(const uint32_t* __restrict__ w,
                 stage_mma<2, TGS>(xn, H, rowmap, p0 + g0, nt, H, false, xs, xsum);
                 trace_mark(0);
             },
-            [&](int, float(&tot)[RING_R][4]) {
+            [&](int, float(&tot)[1][RING_R][4]) {
 #pragma unroll
                 for (int r = 0; r < RING_R; r++) {
                     const int jr = j0 + 8 * (warp * RING_R + r);
@@ -705,7 +775,7 @@ __device__ __forceinline__ void moe_gate_up_ring(const uint32_t* __restrict__ w,
                     for (int q = 0; q < 2; q++)
                         if (2 * c + q < nt)
                             act[(long)(p0 + g0 + 2 * c + q) * ld + jr + g] =
-                                __float2bfloat16(silu_f(tot[r][q]) * tot[r][2 + q]);
+                                __float2bfloat16(silu_f(tot[0][r][q]) * tot[0][r][2 + q]);
                 }
             });
     }
@@ -748,7 +818,7 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
                 stage_mma<2, TGS>(act, ld, nullptr, p0 + g0, nt, n, true, xs, xsum);
                 trace_mark(0);
             },
-            [&](int it, float(&tot)[RING_R][4]) {
+            [&](int it, float(&tot)[1][RING_R][4]) {
 #pragma unroll
                 for (int q = 0; q < RING_R; q++) {
                     const int rr = start(it, q);
@@ -756,8 +826,8 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const int row = rr + g + 8 * h;
-                        if (2 * c < nt) ybuf[(long)(p0 + g0 + 2 * c) * H + row] = tot[q][2 * h];
-                        if (2 * c + 1 < nt) ybuf[(long)(p0 + g0 + 2 * c + 1) * H + row] = tot[q][2 * h + 1];
+                        if (2 * c < nt) ybuf[(long)(p0 + g0 + 2 * c) * H + row] = tot[0][q][2 * h];
+                        if (2 * c + 1 < nt) ybuf[(long)(p0 + g0 + 2 * c + 1) * H + row] = tot[0][q][2 * h + 1];
                     }
                 }
             });
@@ -780,6 +850,101 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
     }
 MOE_RING(4, 4)
 MOE_RING(8, 3)
+
+// dense_ring_n{NT}: y[t, r] (+)= W[r] . x[t] as dense_seqs (the contract at the top), through the ring kernels'
+// whole-line weight stream (rows_ring) with every k-block's weights dequantised once for all the n <= 8 NT tokens
+// (NT groups of 8), where dense_seqs' blocks of 8 tokens each read and dequantise every weight again (n / 8 times).
+// Block (x, 0, z): rows [128 x, +128) (4 warps x 2 items of 16 rows), columns [cz z, +cz) with cz = cols / KZ
+// (KZ = gridDim.z, one cluster); x of the block's columns staged as the ring kernels stage tokens (TGS = 8 NT
+// slots). KZ = 1: each lane stores its sums. KZ > 1: each warp leaves its 32 x TGS sums in its own ring (8 KB of its
+// 9 KB) once it has read its last chunk, and after a cluster barrier block z adds up outputs [z, z + 1) 128 TGS / KZ
+// of the tile over the cluster's blocks in z order (the same bits for any z: a partial sum per range, then the ranges
+// in order).
+// Requirements (host): group size 64, rows a multiple of 16 (an item past the end reads valid rows and stores
+// nothing), cz a multiple of 256 with cz TGS <= 32768 (stage_mma's division), KZ <= 8. Shared memory ring_smem(cz,
+// TGS) (a ring 4 stages deep was no faster: lm_head at 8 tokens 102 -> 112 us, in_proj 9.5 -> 9.8).
+template <int NT>
+__device__ __forceinline__ void dense_ring(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                           const __nv_bfloat16* __restrict__ b, int rows, int cols,
+                                           const __nv_bfloat16* __restrict__ x, int n, float* __restrict__ y, int ldy,
+                                           int add) {
+    constexpr int TGS = 8 * NT, RB = RING_NW * RING_R * 16;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int r0 = blockIdx.x * RB;
+    const int KZ = gridDim.z, cz = cols / KZ, c0 = blockIdx.z * cz;
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    float* xsum = reinterpret_cast<float*>(xs + cz / 8 * TGS);
+    unsigned char* rings = smem + ring_base(cz, TGS);
+    const long rs = cols / 2, srs = cols / 32;  // bytes per row: codes, and scales (64-column groups, bf16)
+    const unsigned char* wb = reinterpret_cast<const unsigned char*>(w) + c0 / 2;
+    const unsigned char* sb = reinterpret_cast<const unsigned char*>(s) + c0 / 32;
+    const unsigned char* bb = reinterpret_cast<const unsigned char*>(b) + c0 / 32;
+    auto start = [&](int r) { return r0 + 16 * (warp * RING_R + r); };
+    auto item = [&](int, int r) {
+        const int rl = min(start(r), rows - 16);
+        return RingItem{wb + rl * rs, sb + rl * srs, bb + rl * srs};
+    };
+    const int KZ1 = KZ == 1;
+    // KZ > 1: the warp's sums [32 rows][TGS] go to its own ring once its last chunk is read (no copy is in flight
+    // then), for its cluster
+    float* zw = reinterpret_cast<float*>(rings + warp * RING_S * RING_SLOT);
+    rows_ring<TGS, NT>(
+        item, 1, cz / 256, rs, 8 * rs, srs, 8 * srs, n, xs, xsum, rings + warp * RING_S * RING_SLOT,
+        [&] {
+            pdl_wait();  // x (and y when adding) come from the previous kernels
+            stage_mma<2, TGS>(x + c0, cols, nullptr, 0, n, cz, true, xs, xsum);
+            trace_mark(0);
+        },
+        [&](int, float(&tot)[NT][RING_R][4]) {
+            if (!KZ1) __syncwarp();  // every lane is done reading the ring
+            // token group t, item r, v = 2 h + j: row start(r) + g + 8 h, token 8 t + 2 c + j
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+#pragma unroll
+                for (int r = 0; r < RING_R; r++)
+#pragma unroll
+                    for (int v = 0; v < 4; v++) {
+                        const int rl = 16 * r + g + 8 * (v >> 1), tk = 8 * t + 2 * c + (v & 1);
+                        if (KZ1) {
+                            const int row = start(0) + rl;
+                            if (row < rows && tk < n) {
+                                float* dst = y + (long)tk * ldy + row;
+                                *dst = add ? *dst + tot[t][r][v] : tot[t][r][v];
+                            }
+                        } else {
+                            zw[rl * TGS + tk] = tot[t][r][v];
+                        }
+                    }
+        });
+    if (KZ1) return;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every block's sums are in its shared memory
+    // output o = (row r0 + o / TGS, token o % TGS) is at float (o / TGS / 32) RING_S RING_SLOT / 4 + o % (32 TGS)
+    const int per = RB * TGS / KZ, o0 = blockIdx.z * per;
+    for (int o = o0 + threadIdx.x; o < o0 + per; o += blockDim.x) {
+        const int row = r0 + o / TGS, tk = o % TGS;
+        if (row >= rows || tk >= n) continue;
+        const int at = (o / (32 * TGS)) * (RING_S * RING_SLOT / 4) + o % (32 * TGS);
+        float v = 0.f;
+        for (int z = 0; z < KZ; z++) v += cluster.map_shared_rank(reinterpret_cast<float*>(rings), z)[at];
+        float* dst = y + (long)tk * ldy + row;
+        *dst = add ? *dst + v : v;
+    }
+    cluster.sync();  // no block leaves while another may still read its sums
+}
+
+#define DENSE_RING(NT, MINB)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128, MINB) dense_ring_n##NT(                                      \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols,                   \
+        const __nv_bfloat16* x, int n, float* y, int ldy, int add) {                                             \
+        KTRACE(46);                                                                                              \
+        dense_ring<NT>(w, s, b, rows, cols, x, n, y, ldy, add);                                                  \
+    }
+DENSE_RING(1, 3)
+DENSE_RING(2, 3)
+DENSE_RING(4, 2)
+DENSE_RING(8, 2)
 
 // dense_seqs_w{W}_k{KS}: see the contract at the top. Block: 4 warps over 128 / KS rows; warp w takes the k-blocks of
 // split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the splits'
