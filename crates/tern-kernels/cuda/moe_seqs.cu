@@ -22,6 +22,10 @@
 //                   partial sums from the others' shared memory (dense_mma). Requirements (host): rows >= 16, cols a
 //                   multiple of 32 W KS KZ and of the group size x KS KZ, group size 32 << gshift >= 32 W, KZ <= 8.
 //                   Bytes rows*cols/2 (+ scales) from DRAM + 16*cols per block (x, L2). FLOPs 2*n*rows*cols.
+// dense_ring_n{1,2,4,8}  the same product for group size 64, rows a multiple of 16 and columns of 256: blocks of 128
+//                   rows stream their weights as whole 128-byte lines through the ring kernels' warp rings (below) and
+//                   dequantise each k-block once for all n <= 8 NT tokens; grid (rows / 128, 1, KZ), the KZ column
+//                   ranges one cluster (dense_ring below). Bytes rows*cols/2 (+ scales) + 2*n*cols per block (x, L2).
 // moe_gate_up_seqs_w{1,2}  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t,
 //                   expert e) of tile blockIdx.y (t = rowmap[p]), j in [64 blockIdx.x, +64) of the expert's n = I (or
 //                   Is for the shared expert E); xn f32 [N, H] (the post-norm rows), act bf16 [pairs, ld]. 128
