@@ -372,16 +372,15 @@ impl DeviceModel {
 
 impl DeviceModel {
     /// Read a prompt chunk for each of up to [`MAX_SEQS`] sequences (`chunks[r]` into `seqs[r]`, distinct sequences,
-    /// at most the prefill chunk's tokens and chunks in all: [`crate::prefill::pass_fits`]) in one pass: the projections, the router and the experts run once
-    /// over every sequence's rows together, and so do the prefill's GDN and attention kernels, each row (and chunk of
-    /// 64) on its own sequence's state through the pass tables, continuing from what it holds. Then each
-    /// sequence's last row gives its logits and draw as `want[r]` says. Every row's arithmetic is that of the
+    /// at most the prefill chunk's tokens and chunks in all: [`crate::prefill::pass_fits`]) in one pass: the
+    /// projections, the router and the experts run once over every sequence's rows together, and so do the prefill's
+    /// GDN and attention kernels, each row (and chunk of 64) on its own sequence's state through the pass tables,
+    /// continuing from what it holds. Then each sequence's last row gives its logits and draw as `want[r]` says. Every row's arithmetic is that of the
     /// one-sequence prefill ([`DeviceState::prefill`]) of as many rows as the pass, so the state left behind is the
     /// same bit for bit as the sequence's own prefill where both take the same router and expert kernels (both passes
     /// of at most [`crate::prefill::STREAM_MAX_TOKENS`] rows, or both longer; across that line the router's sums, the
     /// experts' bf16-rounded GEMM weights and the dense GEMMs' K split differ by rounding). The last row's logits are
-    /// those of its
-    /// all-positions lm_head GEMM. Input checks first; a failed launch leaves the sequences' states undefined.
+    /// those of its all-positions lm_head GEMM. Input checks first; a failed launch leaves the sequences' states undefined.
     pub fn prefill_seqs(
         &self,
         seqs: &mut [&mut DeviceState],

@@ -1214,8 +1214,9 @@ pub(crate) enum MoeExperts {
 /// A prefill pass of at most this many tokens takes the streamed expert kernels where the model's shapes allow
 /// ([`DeviceModel::streamed_moe`]): with a few pairs per routed expert the grouped GEMMs' 64-token tiles are mostly
 /// empty (a 256-token pass: 0.34 ms a layer for gate|up, measured), while the streamed kernels read each expert once
-/// per 8 pairs. The same line splits the dense GEMMs' K ([`gemm_split`]). The line is where the two meet on the H200 (TTFT of one prompt, streamed / GEMM: 384 tokens 32.4 /
-/// 43.7 ms, 512 37.0 / 48.9, 768 51.0 / 53.2, 1,024 64.8 / 60.5; `TERN_STREAM_MAX_TOKENS` moves it for the A/B).
+/// per 8 pairs. The same line splits the dense GEMMs' K ([`gemm_split`]). The line is where the two meet on the
+/// H200 (TTFT of one prompt, streamed / GEMM: 384 tokens 32.4 / 43.7 ms, 512 37.0 / 48.9, 768 51.0 / 53.2, 1,024
+/// 64.8 / 60.5). `TERN_STREAM_MAX_TOKENS` moves the experts' line for that A/B, not the GEMMs' split.
 pub const STREAM_MAX_TOKENS: usize = 768;
 
 impl DeviceModel {
