@@ -165,9 +165,12 @@ fn gdn_step_seqs_equals_gdn_step() {
 }
 
 /// Decode attention: q/k norm + partial NeoX RoPE + bf16 KV append, split-K decode over the cache (GQA), merge
-/// of the splits + sigmoid gate; every context length from 1 up, several split counts (empty splits included).
+/// of the splits + sigmoid gate; every context length from 1 up, several split counts (empty splits included). The
+/// batched step's attn_decode_seqs (positions from the host, a warp's first keys read before its dependency wait)
+/// on the same cache right after the same attn_prep: the partials of attn_decode bit for bit.
 #[test]
 fn attention_decode_matches_cpu() {
+    use cudarc::driver::DevicePtr;
     let Some(g) = gpu_or_skip("attention_decode_matches_cpu") else { return };
     let tiny = Config::from_dir(&fixtures_dir().join("tiny-b")).unwrap();
     let full = small_moe(full_config());
@@ -199,6 +202,26 @@ fn attention_decode_matches_cpu() {
             g.attn_prep(&dproj, qn, kn, &pos, (nh, nkv, hd, rd), theta, c.rms_norm_eps, &mut qbuf, &mut kc, &mut vc)
                 .unwrap();
             g.attn_decode(&qbuf, &kc, &vc, &pos, (nh, nkv, hd), nsplit, &mut part).unwrap();
+            if nh / nkv <= 8 {
+                // attn_prep again (the same row), then attn_decode_seqs right behind it, as in the batched step
+                let (tk, tv) = (
+                    g.upload(&[kc.device_ptr(&g.stream).0]).unwrap(),
+                    g.upload(&[vc.device_ptr(&g.stream).0]).unwrap(),
+                );
+                let posv = g.upload(&[t as i32]).unwrap();
+                let mut part2 = g.zeros::<f32>(nh * nsplit * (hd + 2)).unwrap();
+                let (theta, eps) = (c.rope_theta as f32, c.rms_norm_eps);
+                g.attn_prep(&dproj, qn, kn, &pos, (nh, nkv, hd, rd), theta, eps, &mut qbuf, &mut kc, &mut vc).unwrap();
+                let tables = (&tk.slice(..), &tv.slice(..), &posv);
+                g.attn_decode_seqs(&qbuf, tables, 1, (nh, nkv, hd), nsplit, &mut part2).unwrap();
+                let bits =
+                    |p: &CudaSlice<f32>| g.download(p).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+                assert!(
+                    bits(&part) == bits(&part2),
+                    "attention {name} nsplit {nsplit} len {}: seqs partials differ",
+                    t + 1
+                );
+            }
             g.attn_combine(&part, &dproj, nh, hd, nsplit, &mut o).unwrap();
             let (qg, k, v) =
                 (&proj[..2 * nh * hd], &proj[2 * nh * hd..(2 * nh + nkv) * hd], &proj[(2 * nh + nkv) * hd..]);

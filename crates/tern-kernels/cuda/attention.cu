@@ -22,7 +22,8 @@
 //                or y (the others) = row r: proj row r (stride ldp), q/partials/output row r, position posv[r] (host
 //                uploaded before the step), row r's K/V cache of this layer from the pointer tables kc[r] / vc[r];
 //                attn_combine_seqs writes bf16 rows (stride ldo) for the o_proj GEMM. attn_decode_kv_seqs needs
-//                nh/nkv <= 8.
+//                nh/nkv <= 8; it reads each warp's first batch of keys before its dependency wait where all of them
+//                are older than the current position (attn_prep_seqs, the kernel before, writes only that row).
 #include "common.cuh"
 
 
@@ -201,7 +202,10 @@ __device__ __forceinline__ void kv_batch(const __nv_bfloat16* kb, const __nv_bfl
     }
 }
 
-template <bool PF>
+// PRE: the positions come from the host (pos_ptr uploaded before the step), so this warp's first batch of keys is
+// loaded before the dependency wait where every key in it is older than the current one (the keys of earlier steps;
+// attn_prep, the kernel before, writes only the current position's row).
+template <bool PF, bool PRE = false>
 __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qbuf,
                                                     const __nv_bfloat16* __restrict__ kc,
                                                     const __nv_bfloat16* __restrict__ vc,
@@ -214,7 +218,22 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
     const int kvh = blockIdx.x, split = blockIdx.y, nsplit = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = nh / nkv;
-    pdl_wait();
+    if (!PRE) pdl_wait();
+    const int len = *pos_ptr + 1;
+    const int chunk = max((len + nsplit - 1) / nsplit, ATT_MIN_SPLIT);
+    const int t0 = min(split * chunk, len), t1 = min(len, t0 + chunk);
+    const bool on = 8 * lane < hd;
+    const int d0 = on ? 8 * lane : 0;
+    const long rs = (long)nkv * hd;
+    const __nv_bfloat16* kb = kc + (long)kvh * hd + d0;
+    const __nv_bfloat16* vb = vc + (long)kvh * hd + d0;
+    // PF: two-stage pipeline, the next batch's K/V loads are in flight during this batch's math
+    uint4 kn[AKV_B], vn[AKV_B];
+    const int tfirst = t0 + warp * AKV_B;
+    // every key the first batch reads (clamped to t1 - 1) is older than the current one (len - 1)
+    const bool early = PRE && PF && (t1 < len || tfirst + AKV_B < len);
+    if (early) kv_batch(kb, vb, rs, tfirst, t1, kn, vn);
+    if (PRE) pdl_wait();
     {
         // q of the group into smem: all loads first (one round trip)
         constexpr int NQ = AKV_G * 256 / (32 * AKV_W);
@@ -228,14 +247,6 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
 #pragma unroll
         for (int j = 0; j < NQ; j++) qs[threadIdx.x + 32 * AKV_W * j] = qv[j] * scale;
     }
-    const int len = *pos_ptr + 1;
-    const int chunk = max((len + nsplit - 1) / nsplit, ATT_MIN_SPLIT);
-    const int t0 = min(split * chunk, len), t1 = min(len, t0 + chunk);
-    const bool on = 8 * lane < hd;
-    const int d0 = on ? 8 * lane : 0;
-    const long rs = (long)nkv * hd;
-    const __nv_bfloat16* kb = kc + (long)kvh * hd + d0;
-    const __nv_bfloat16* vb = vc + (long)kvh * hd + d0;
     float acc[AKV_G][8];
 #pragma unroll
     for (int g = 0; g < AKV_G; g++)
@@ -244,10 +255,7 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
     float m = -INFINITY, l = 0.f;  // of head lane & 7 (lanes with equal lane & 7 agree)
     __syncthreads();
     const float4* q4 = reinterpret_cast<const float4*>(qs) + 2 * lane;
-    // PF: two-stage pipeline, the next batch's K/V loads are in flight during this batch's math
-    uint4 kn[AKV_B], vn[AKV_B];
-    const int tfirst = t0 + warp * AKV_B;
-    if (PF) kv_batch(kb, vb, rs, tfirst, t1, kn, vn);
+    if (PF && !early) kv_batch(kb, vb, rs, tfirst, t1, kn, vn);
     for (int tb = tfirst; tb < t1; tb += AKV_W * AKV_B) {
         uint4 kv[AKV_B], vv[AKV_B];
         if (PF) {
@@ -367,7 +375,7 @@ extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv_seqs(
     float* __restrict__ part) {
     KTRACE(35);
     const int r = blockIdx.z;
-    attn_decode_kv_body<true>(qbuf + (long)r * nh * hd, reinterpret_cast<const __nv_bfloat16*>(kc[r]),
+    attn_decode_kv_body<true, true>(qbuf + (long)r * nh * hd, reinterpret_cast<const __nv_bfloat16*>(kc[r]),
                               reinterpret_cast<const __nv_bfloat16*>(vc[r]), posv + r, nh, nkv, hd, scale,
                               part + (long)r * nh * gridDim.y * (hd + 2));
 }
