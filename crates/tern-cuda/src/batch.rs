@@ -140,10 +140,11 @@ impl SeqScratch {
     }
 }
 
-/// Flash-decoding splits for `n` rows whose longest context is `max_len` keys: enough blocks to fill the chip
-/// (rows × kv heads × splits ≥ 2 per SM), at least 16 keys per split, at most [`MAX_SPLIT`].
+/// Flash-decoding splits for `n` rows whose longest context is `max_len` keys: as many blocks as fit the chip at
+/// once (rows × kv heads × splits ≤ 2 per SM, attn_decode_kv_seqs' occupancy; rounded up, B = 8 made 272 blocks
+/// for 264 places), at least 16 keys per split, at most [`MAX_SPLIT`].
 fn splits(g: &Gpu, n: usize, nkv: usize, max_len: usize) -> usize {
-    let fill = (2 * g.sms as usize).div_ceil(n * nkv);
+    let fill = (2 * g.sms as usize) / (n * nkv);
     fill.min(max_len.div_ceil(16)).clamp(1, MAX_SPLIT)
 }
 
