@@ -1400,11 +1400,7 @@ mod tests {
                 let bound = max_moe_tiles(n, k, e, t);
                 // tokens' picks: k distinct experts from a random subset of a few, of all, or spread round-robin
                 for trial in 0..20 {
-                    let pool = match trial % 3 {
-                        0 => e,
-                        1 => k.max(1 + next(e)),
-                        _ => e,
-                    };
+                    let pool = if trial % 3 == 1 { k.max(1 + next(e)) } else { e };
                     let mut counts = vec![0usize; e];
                     for tok in 0..n {
                         let mut picked: Vec<usize> = Vec::new();

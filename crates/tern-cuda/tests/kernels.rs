@@ -210,7 +210,7 @@ fn attention_decode_matches_cpu() {
                 );
                 let posv = g.upload(&[t as i32]).unwrap();
                 let mut part2 = g.zeros::<f32>(nh * nsplit * (hd + 2)).unwrap();
-                let (theta, eps) = (c.rope_theta as f32, c.rms_norm_eps);
+                let eps = c.rms_norm_eps;
                 g.attn_prep(&dproj, qn, kn, &pos, (nh, nkv, hd, rd), theta, eps, &mut qbuf, &mut kc, &mut vc).unwrap();
                 let tables = (&tk.slice(..), &tv.slice(..), &posv);
                 g.attn_decode_seqs(&qbuf, tables, 1, (nh, nkv, hd), nsplit, &mut part2).unwrap();

@@ -376,8 +376,8 @@ extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv_seqs(
     KTRACE(35);
     const int r = blockIdx.z;
     attn_decode_kv_body<true, true>(qbuf + (long)r * nh * hd, reinterpret_cast<const __nv_bfloat16*>(kc[r]),
-                              reinterpret_cast<const __nv_bfloat16*>(vc[r]), posv + r, nh, nkv, hd, scale,
-                              part + (long)r * nh * gridDim.y * (hd + 2));
+                                    reinterpret_cast<const __nv_bfloat16*>(vc[r]), posv + r, nh, nkv, hd, scale,
+                                    part + (long)r * nh * gridDim.y * (hd + 2));
 }
 
 template <typename OutT>
