@@ -106,6 +106,9 @@ __global__ void fill_bf16(__nv_bfloat16* p, long n, uint32_t seed, float lo, flo
 struct Layer {
     uint32_t *gw, *dw;
     __nv_bfloat16 *gs, *gb, *ds, *db;
+    // the ring kernels' tile-major copies (experts_tile)
+    uint32_t *tgw, *tdw;
+    __nv_bfloat16 *tgs, *tgb, *tds, *tdb;
 };
 
 struct Routing {
@@ -146,6 +149,7 @@ static Routing route(int n, int tile, unsigned seed) {
 
 struct DevRouting {
     int *rowmap, *tiles, *ntile;
+    uint4* trows;  // each tile's tokens, 8 u16 (moe_align's trows)
     int ntiles;
 };
 
@@ -157,6 +161,12 @@ static DevRouting upload(const Routing& r) {
     CK(cudaMemcpy(d.rowmap, r.rowmap.data(), r.rowmap.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d.tiles, r.tiles.data(), r.tiles.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d.ntile, &r.ntiles, 4, cudaMemcpyHostToDevice));
+    std::vector<unsigned> tr(4 * r.ntiles, 0u);
+    for (int t = 0; t < r.ntiles; t++)
+        for (int i = 0; i < r.tiles[3 * t + 2] && i < 8; i++)
+            tr[4 * t + i / 2] |= (unsigned)r.rowmap[r.tiles[3 * t + 1] + i] << (16 * (i & 1));
+    CK(cudaMalloc(&d.trows, tr.size() * 4));
+    CK(cudaMemcpy(d.trows, tr.data(), tr.size() * 4, cudaMemcpyHostToDevice));
     d.ntiles = r.ntiles;
     return d;
 }
@@ -214,7 +224,7 @@ static double time_us(F launch) {
 
 
 static std::vector<Layer> g_layers;
-static float* g_xn;
+static __nv_bfloat16* g_xn;  // the post-norm rows, bf16 (as the norm rounds them)
 static __nv_bfloat16 *g_act_ref, *g_act;
 static float *g_y_ref, *g_y;
 static unsigned* g_sink;
@@ -232,7 +242,7 @@ static int ring_smem(int cols, int tgs) {
 
 // Both kinds of each projection take the same arguments (the ring kernels ignore gshift).
 typedef void (*GuKernel)(const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*, long, long, int, int, int, int,
-                         int, const float*, const int*, const int*, const int*, __nv_bfloat16*, int);
+                         int, const __nv_bfloat16*, const int*, const int*, const uint4*, __nv_bfloat16*, int);
 typedef void (*DnKernel)(const uint32_t*, const __nv_bfloat16*, const __nv_bfloat16*, long, long, int, int, int, int,
                          int, const __nv_bfloat16*, int, const int*, const int*, float*);
 
@@ -243,26 +253,31 @@ int main() {
     g_layers.resize(LAYERS);
     for (int l = 0; l < LAYERS; l++) {
         Layer& L = g_layers[l];
-        CK(cudaMalloc(&L.gw, GW * 4));
-        CK(cudaMalloc(&L.dw, DW * 4));
-        CK(cudaMalloc(&L.gs, GG * 2));
-        CK(cudaMalloc(&L.gb, GG * 2));
-        CK(cudaMalloc(&L.ds, DG * 2));
-        CK(cudaMalloc(&L.db, DG * 2));
+        // the row-major buffers, then the ring kernels' tile-major copies of them
+        for (uint32_t** p : {&L.gw, &L.tgw}) CK(cudaMalloc(p, GW * 4));
+        for (uint32_t** p : {&L.dw, &L.tdw}) CK(cudaMalloc(p, DW * 4));
+        for (__nv_bfloat16** p : {&L.gs, &L.gb, &L.tgs, &L.tgb}) CK(cudaMalloc(p, GG * 2));
+        for (__nv_bfloat16** p : {&L.ds, &L.db, &L.tds, &L.tdb}) CK(cudaMalloc(p, DG * 2));
         fill_words<<<1024, 256>>>(L.gw, GW, 17 + l);
         fill_words<<<1024, 256>>>(L.dw, DW, 91 + l);
         fill_bf16<<<1024, 256>>>(L.gs, GG, 3 + l, 0.002f, 0.02f);
         fill_bf16<<<1024, 256>>>(L.gb, GG, 5 + l, -0.1f, 0.1f);
         fill_bf16<<<1024, 256>>>(L.ds, DG, 7 + l, 0.002f, 0.02f);
         fill_bf16<<<1024, 256>>>(L.db, DG, 9 + l, -0.1f, 0.1f);
+        static_assert(IS == I, "one experts_tile launch a buffer needs the shared expert's size to be I");
+        experts_tile<<<1024, 256>>>((const uint4*)L.gw, (const uint2*)L.gs, (const uint2*)L.gb, GU_WORDS, GU_GROUPS,
+                                    E + 1, 0, I, H, (uint4*)L.tgw, (uint2*)L.tgs, (uint2*)L.tgb);
+        experts_tile<<<1024, 256>>>((const uint4*)L.dw, (const uint2*)L.ds, (const uint2*)L.db, DN_WORDS, DN_GROUPS,
+                                    E + 1, 1, I, H, (uint4*)L.tdw, (uint2*)L.tds, (uint2*)L.tdb);
+        CK(cudaGetLastError());
     }
-    CK(cudaMalloc(&g_xn, 64L * H * 4));
+    CK(cudaMalloc(&g_xn, 64L * H * 2));
     {
-        std::vector<float> x(64L * H);
+        std::vector<__nv_bfloat16> x(64L * H);
         std::mt19937 rng(7);
         std::uniform_real_distribution<float> u(-1.f, 1.f);
-        for (auto& v : x) v = u(rng);
-        CK(cudaMemcpy(g_xn, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+        for (auto& v : x) v = __float2bfloat16(u(rng));
+        CK(cudaMemcpy(g_xn, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
     }
     CK(cudaMalloc(&g_act_ref, (size_t)PCAP * I * 2));
     CK(cudaMalloc(&g_act, (size_t)PCAP * I * 2));
@@ -289,7 +304,7 @@ int main() {
             auto gu_w2 = [&](cudaStream_t st, int li, long words, long groups) {
                 const Layer& L = g_layers[li];
                 moe_gate_up_seqs_w2<<<dim3(I / 64, d.ntiles), 128, mma_smem(H), st>>>(
-                    L.gw, L.gs, L.gb, words, groups, E, I, IS, H, 1, g_xn, d.ntile, d.tiles, d.rowmap, g_act_ref, I);
+                    L.gw, L.gs, L.gb, words, groups, E, I, IS, H, 1, g_xn, d.ntile, d.tiles, d.trows, g_act_ref, I);
             };
             auto dn_w2 = [&](cudaStream_t st, int li) {
                 const Layer& L = g_layers[li];
@@ -300,12 +315,12 @@ int main() {
             auto gu_r = [&](cudaStream_t st, int li) {
                 const Layer& L = g_layers[li];
                 gu_ring[tg]<<<dim3(I / 64, d.ntiles), 128, ring_smem(H, tile), st>>>(
-                    L.gw, L.gs, L.gb, GU_WORDS, GU_GROUPS, E, I, IS, H, 1, g_xn, d.ntile, d.tiles, d.rowmap, g_act, I);
+                    L.tgw, L.tgs, L.tgb, GU_WORDS, GU_GROUPS, E, I, IS, H, 1, g_xn, d.ntile, d.tiles, d.trows, g_act, I);
             };
             auto dn_r = [&](cudaStream_t st, int li) {
                 const Layer& L = g_layers[li];
                 dn_ring[tg]<<<dim3(H / 256, d.ntiles), 128, ring_smem(I, tile), st>>>(
-                    L.dw, L.ds, L.db, DN_WORDS, DN_GROUPS, E, I, IS, H, 1, g_act_ref, I, d.ntile, d.tiles, g_y);
+                    L.tdw, L.tds, L.tdb, DN_WORDS, DN_GROUPS, E, I, IS, H, 1, g_act_ref, I, d.ntile, d.tiles, g_y);
             };
             printf("B=%d, tiles of %d: %d distinct experts (with the shared one), %d tiles; gate|up %.1f MB, down %.1f MB\n",
                    n, tile, distinct, d.ntiles, gbytes / 1e6, dbytes / 1e6);
@@ -343,6 +358,7 @@ int main() {
             printf("  ring = register-streamed, bit for bit: %s (gate|up %.1e, down %.1e)\n", same ? "yes" : "NO",
                    rel_err(a1, a0), rel_err(y1, y0));
             CK(cudaFree(d.rowmap));
+            CK(cudaFree(d.trows));
             CK(cudaFree(d.tiles));
             CK(cudaFree(d.ntile));
         }

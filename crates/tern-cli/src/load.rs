@@ -45,13 +45,16 @@ pub fn load_model(model: &str, backend: &str, ctx: usize, state: Option<usize>) 
         };
         let be = tern_cuda::CudaBackend::new_with_progress(&w, opts, &mut progress)?;
         let (bytes, secs) = (be.model.gpu.uploaded.load(Ordering::Relaxed) as f64, t0.elapsed().as_secs_f64());
+        let derived = be.model.gpu.derived.load(Ordering::Relaxed) as f64;
         if tty {
             eprintln!();
         }
         eprintln!(
-            "tern: weights on the GPU: {:.2} GB in {secs:.1} s ({:.1} GB/s, CUDA context start included)",
+            "tern: weights on the GPU: {:.2} GB in {secs:.1} s ({:.1} GB/s, CUDA context start included), and {:.2} GB \
+             of tile-major expert copies for the batched step",
             bytes / 1e9,
-            bytes / 1e9 / secs.max(1e-9)
+            bytes / 1e9 / secs.max(1e-9),
+            derived / 1e9
         );
         eprintln!("tern: {}", capacity_line(&be, ctx));
         Model::with_backend(&dir, Arc::new(tern_cuda::CudaSlots::new(be)))?

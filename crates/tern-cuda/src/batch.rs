@@ -806,8 +806,8 @@ impl Gpu {
     }
 
     /// Streamed gate|up + SwiGLU over the expert-sorted pairs of [`Gpu::moe_align`] (few tokens per expert, on
-    /// tensor cores): `act[p, j] = silu(G_e[j] · xn[rowmap[p]]) · (U_e[j] · xn[rowmap[p]])`, bf16 `[pairs, max(I, Is)]`
-    /// (the prefill GEMMs' layout).
+    /// tensor cores): `act[p, j] = silu(G_e[j] · xb[rowmap[p]]) · (U_e[j] · xb[rowmap[p]])`, bf16 `[pairs, max(I, Is)]`
+    /// (the prefill GEMMs' layout), from the bf16 post-norm rows `xb` (the mma's operands as the norm rounds them).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_seqs(
         &self,
@@ -815,7 +815,7 @@ impl Gpu {
         n_experts: usize,
         (i, is): (usize, usize),
         h: usize,
-        xn: &CudaSlice<f32>,
+        xb: &CudaSlice<u16>,
         sorted: &MoeSorted,
         act: &mut CudaSlice<u16>,
     ) -> Result<()> {
@@ -829,12 +829,15 @@ impl Gpu {
         );
         ensure!(gu.s.len() >= n_experts * gu.groups + 2 * is * h / gu.gs, "moe_gate_up_seqs: scales too short");
         ensure!(gu.b.len() >= n_experts * gu.groups + 2 * is * h / gu.gs, "moe_gate_up_seqs: biases too short");
-        ensure!(xn.len() >= sorted.n * h && act.len() >= pairs * imax, "moe_gate_up_seqs: buffers");
+        ensure!(xb.len() >= sorted.n * h && act.len() >= pairs * imax, "moe_gate_up_seqs: buffers");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
+        ensure!(sorted.tile <= 8, "moe_gate_up_seqs: tiles of {} pairs (at most 8: trows)", sorted.tile);
         // the ring kernels where the shapes allow (the same products bit for bit), else the register-streamed ones;
         // both take the same arguments
-        let (f, smem) = match (self.ring_fits(gu.gs, &[h, i, is]), sorted.tile <= 4, w) {
+        // (the ring kernels read the tile-major copy)
+        let tiled = gu.tiled.as_ref().filter(|_| self.ring_fits(gu.gs, &[h, i, is]));
+        let (f, smem) = match (tiled.is_some(), sorted.tile <= 4, w) {
             (true, true, _) => (&self.f.moe_gate_up_ring_t4, ring_smem(h, 4)),
             (true, false, _) => (&self.f.moe_gate_up_ring_t8, ring_smem(h, 8)),
             (false, _, 2) => (&self.f.moe_gate_up_seqs_w2, mma_smem(h, w, h / gu.gs, 1)),
@@ -846,17 +849,22 @@ impl Gpu {
         let v = [n_experts, i, is, h].map(|v| v as i32);
         let ld = imax as i32;
         let mut l = self.launcher(f);
-        l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
-        l.arg(&glog).arg(xn).arg(&sorted.ntile).arg(&sorted.tiles).arg(&sorted.rowmap).arg(&*act).arg(&ld);
+        match tiled {
+            Some(t) => l.arg(&t.w).arg(&t.s).arg(&t.b),
+            None => l.arg(&gu.w).arg(&gu.s).arg(&gu.b),
+        };
+        l.arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
+        l.arg(&glog).arg(xb).arg(&sorted.ntile).arg(&sorted.tiles).arg(&sorted.trows).arg(&*act).arg(&ld);
         let grid = (imax.div_ceil(MM_J) as u32, sorted.max_tiles as u32);
         // SAFETY: matches moe_gate_up_seqs_w{1,2} and moe_gate_up_ring_t{4,8} (moe_seqs.cu; 64 j a block each); the
         // tiles come from moe_align over `sorted`'s n, k and experts: expert ids <= n_experts (the shared one last,
-        // inside the buffer, checked), pairs < n*(k+1) rows of act, rowmap entries < n rows of xn; H a multiple of
-        // 32 W and of the group size (so of 32 W), the inner sizes multiples of 8 (an item past n clamps its rows);
-        // the ring kernels only for group size 64 and H, I, Is multiples of 256 (ring_fits: whole 128-byte chunks
-        // of each row, 16-byte aligned rows, 8-byte aligned scale rows); tiles of more pairs than a kernel's token
-        // slots take several passes; blocks past *ntile or the expert's rows exit; shared memory as laid out there
-        // (checked against the opt-in limit).
+        // inside the buffer, checked), pairs < n*(k+1) rows of act, the tiles' tokens (trows, which moe_align
+        // writes for tiles of <= 8 pairs, checked) < n rows of xb; every grid row's tile entry is inside the list's
+        // room (read before its length); H a multiple of 32 W and of the group size (so of 32 W), the inner sizes
+        // multiples of 8 (an item past n clamps its rows); the ring kernels only for group size 64 and H, I, Is
+        // multiples of 256 (ring_fits: whole 128-byte chunks of each row, 16-byte aligned rows, 8-byte aligned scale
+        // rows), reading the tile-major copy (tile_experts: the same lengths as the checked buffers); tiles of more pairs than a kernel's token slots take several passes; blocks past *ntile or the
+        // expert's rows exit; shared memory as laid out there (checked against the opt-in limit).
         unsafe { l.launch(cfg(grid, 128, smem)) }?;
         Ok(())
     }
@@ -892,7 +900,8 @@ impl Gpu {
         ensure!(act.len() >= pairs * imax && ybuf.len() >= pairs * h, "moe_down_seqs: buffers");
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");
-        let (f, smem, rows) = match (self.ring_fits(down.gs, &[h, i, is]), sorted.tile <= 4, w) {
+        let tiled = down.tiled.as_ref().filter(|_| self.ring_fits(down.gs, &[h, i, is]));
+        let (f, smem, rows) = match (tiled.is_some(), sorted.tile <= 4, w) {
             (true, true, _) => (&self.f.moe_down_ring_t4, ring_smem(imax, 4), RING_DOWN_ROWS),
             (true, false, _) => (&self.f.moe_down_ring_t8, ring_smem(imax, 8), RING_DOWN_ROWS),
             (false, _, 2) => (&self.f.moe_down_seqs_w2, mma_smem(imax, w, imax / down.gs, 1), MM_ROWS),
@@ -904,14 +913,19 @@ impl Gpu {
         let v = [n_experts, i, is, h].map(|v| v as i32);
         let ld = imax as i32;
         let mut l = self.launcher(f);
-        l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]);
+        match tiled {
+            Some(t) => l.arg(&t.w).arg(&t.s).arg(&t.b),
+            None => l.arg(&down.w).arg(&down.s).arg(&down.b),
+        };
+        l.arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]);
         l.arg(&v[3]).arg(&glog).arg(act).arg(&ld).arg(&sorted.ntile).arg(&sorted.tiles).arg(&*ybuf);
         let grid = (h.div_ceil(rows) as u32, sorted.max_tiles as u32);
         // SAFETY: matches moe_down_seqs_w{1,2} (128 rows a block) and moe_down_ring_t{4,8} (256) (moe_seqs.cu);
-        // tiles from moe_align (see moe_gate_up_seqs): pairs < rows of act and ybuf, expert ids inside the buffer;
+        // tiles from moe_align (see moe_gate_up_seqs; every grid row's entry inside the list's room): pairs < rows of
+        // act and ybuf, expert ids inside the buffer;
         // each expert's inner size (I or Is) <= imax = act's row stride and a multiple of the group size (so of 32 W);
-        // h a multiple of 16 (an item past h clamps its rows); the ring kernels only where ring_fits (see
-        // moe_gate_up_seqs); shared memory sized for imax (checked against the opt-in limit).
+        // h a multiple of 16 (an item past h clamps its rows); the ring kernels only where ring_fits, on the
+        // tile-major copy (see moe_gate_up_seqs); shared memory sized for imax (checked against the opt-in limit).
         unsafe { l.launch(cfg(grid, 128, smem)) }?;
         Ok(())
     }
@@ -1003,9 +1017,7 @@ impl Gpu {
     /// Whether the streamed expert products take the ring kernels: turned on ([`Gpu::moe_ring`]), group size 64 and
     /// every inner size a multiple of their 256-column chunks.
     fn ring_fits(&self, gs: usize, sizes: &[usize]) -> bool {
-        self.moe_ring.load(std::sync::atomic::Ordering::Relaxed)
-            && gs == 64
-            && sizes.iter().all(|&v| v >= 256 && v % 256 == 0)
+        self.moe_ring.load(std::sync::atomic::Ordering::Relaxed) && crate::gpu::ring_shapes(gs, sizes)
     }
 }
 

@@ -380,7 +380,10 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) 
             g.stream.synchronize()?;
             g.trace_enable(false)?;
             println!("trace of one batched step at {b} sequences (graph replay; us):");
-            print_batched_trace(&g.trace_read()?)?;
+            let recs = g.trace_read()?;
+            print_batched_trace(&recs)?;
+            print_block_spread(&recs, 43, "moe_gate_up")?;
+            print_block_spread(&recs, 44, "moe_down")?;
         }
     }
     let b = 32.min(bmax);
@@ -620,6 +623,25 @@ fn op_bytes(m: &crate::model::DeviceModel, st: &crate::seq::DeviceState, op: Ste
     }
 }
 
+/// The records of each launch of a traced step, in wait order: the next `nblocks` records of one code (fewer where
+/// the code changes first).
+fn trace_groups(recs: &[TraceRec]) -> Vec<Vec<TraceRec>> {
+    let mut r = recs.to_vec();
+    r.sort_by_key(|x| x.wait);
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < r.len() {
+        let (code, nb) = (r[i].code, r[i].nblocks);
+        let mut j = i;
+        while j < r.len() && j - i < (nb as usize).max(1) && r[j].code == code && r[j].nblocks == nb {
+            j += 1;
+        }
+        out.push(r[i..j].to_vec());
+        i = j;
+    }
+    out
+}
+
 /// One launch of a traced step: its kernel code, blocks, and (ns from the step's first entry) its first entry,
 /// first and last dependency wait, last exit, and the longest wait -> mark 1 -> mark 2 -> exit stretches of its
 /// marked blocks.
@@ -636,19 +658,11 @@ struct TraceLaunch {
 /// The launches of a traced step: the records in wait order, a launch the next `nblocks` of one code (fewer where
 /// the code changes first).
 fn trace_launches(recs: &[TraceRec]) -> Result<Vec<TraceLaunch>> {
-    let mut r = recs.to_vec();
-    r.sort_by_key(|x| x.wait);
-    anyhow::ensure!(!r.is_empty(), "trace: no records");
-    let t0 = r.iter().map(|x| x.pre).min().unwrap_or(0);
+    anyhow::ensure!(!recs.is_empty(), "trace: no records");
+    let t0 = recs.iter().map(|x| x.pre).min().unwrap_or(0);
     let mut launches = Vec::new();
-    let mut i = 0;
-    while i < r.len() {
-        let (code, nb) = (r[i].code, r[i].nblocks);
-        let mut j = i;
-        while j < r.len() && j - i < (nb as usize).max(1) && r[j].code == code && r[j].nblocks == nb {
-            j += 1;
-        }
-        let g = &r[i..j];
+    for g in trace_groups(recs) {
+        let code = g[0].code;
         let mut marks = [0u64; 3];
         for x in g.iter().filter(|x| x.m1 > 0 && x.m2 > 0) {
             marks[0] = marks[0].max(x.m1.saturating_sub(x.wait));
@@ -668,7 +682,6 @@ fn trace_launches(recs: &[TraceRec]) -> Result<Vec<TraceLaunch>> {
             end: span(|x| x.end, true),
             marks,
         });
-        i = j;
     }
     Ok(launches)
 }
@@ -762,6 +775,86 @@ fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
             (t.gap + t.run) as f64 / 1e3
         );
     }
+    Ok(())
+}
+
+/// How the blocks of one traced kernel spread over a step (code `code`): for each launch, every block's stretches
+/// from the launch's first wait return (w0): entry, its own wait, wait -> mark 1 (`stage`), mark 1 -> mark 2
+/// (`loop`), mark 2 -> exit (`tail`) and its exit, with the launch's working blocks (those that marked) on its
+/// multiprocessor. Prints the blocks at ranks of exit time, in us, as means over the launches, then the empty blocks.
+fn print_block_spread(recs: &[TraceRec], code: u32, name: &str) -> Result<()> {
+    let ranks = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0];
+    // per rank: sums of [entry, wait, stage, loop, tail, exit, blocks on its sm], over launches
+    let mut sums = vec![[0f64; 7]; ranks.len()];
+    let (mut launches, mut working, mut empty, mut empty_exit) = (0usize, 0usize, 0usize, 0f64);
+    let mut slowest_sm = Vec::new();
+    for g in trace_groups(recs).iter().filter(|g| g[0].code == code) {
+        launches += 1;
+        let w0 = g.iter().map(|x| x.wait).min().unwrap_or(0) as f64;
+        let us = |t: u64| (t as f64 - w0) / 1e3;
+        let mut marked: Vec<&TraceRec> = g.iter().filter(|x| x.m1 > 0 && x.m2 > 0).collect();
+        for x in g.iter().filter(|x| x.m1 == 0) {
+            empty += 1;
+            empty_exit += us(x.end);
+        }
+        working += marked.len();
+        marked.sort_by_key(|x| x.end);
+        let on_sm = |sm: u32| marked.iter().filter(|y| y.sm == sm).count() as f64;
+        for (k, q) in ranks.iter().enumerate() {
+            let Some(x) = marked.get(((marked.len().saturating_sub(1)) as f64 * q).round() as usize) else {
+                continue;
+            };
+            let v = [
+                us(x.pre),
+                us(x.wait),
+                (x.m1 as f64 - x.wait as f64) / 1e3,
+                (x.m2 as f64 - x.m1 as f64) / 1e3,
+                (x.end as f64 - x.m2 as f64) / 1e3,
+                us(x.end),
+                on_sm(x.sm),
+            ];
+            for (s, v) in sums[k].iter_mut().zip(v) {
+                *s += v;
+            }
+        }
+        if let Some(x) = marked.last() {
+            slowest_sm.push(format!("{}:{}x{}", x.sm, x.block & 0xffff, x.block >> 16));
+        }
+    }
+    if launches == 0 {
+        return Ok(());
+    }
+    let n = launches as f64;
+    println!(
+        "  {name}: blocks by exit time (means over {launches} launches, us from the launch's first wait; {:.0} working \
+         blocks a launch)",
+        working as f64 / n
+    );
+    println!(
+        "    {:>5} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>6}",
+        "rank", "entry", "wait", "stage", "loop", "tail", "exit", "on sm"
+    );
+    for (q, s) in ranks.iter().zip(&sums) {
+        println!(
+            "    {:>4.0}% {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2}",
+            q * 100.0,
+            s[0] / n,
+            s[1] / n,
+            s[2] / n,
+            s[3] / n,
+            s[4] / n,
+            s[5] / n,
+            s[6] / n
+        );
+    }
+    if empty > 0 {
+        println!(
+            "    {:.0} empty blocks a launch, exit at {:.2} us on average",
+            empty as f64 / n,
+            empty_exit / empty as f64
+        );
+    }
+    println!("    slowest block (sm:x*y) per launch: {}", slowest_sm.join(" "));
     Ok(())
 }
 

@@ -21,6 +21,16 @@ pub struct TraceRec {
     pub end: u64,
     pub code: u32,
     pub nblocks: u32,
+    /// The multiprocessor the block ran on.
+    pub sm: u32,
+    /// blockIdx.x | blockIdx.y << 16.
+    pub block: u32,
+}
+
+/// Whether the batched step's ring kernels (moe_seqs.cu) take experts of these shapes: group size 64 and every size
+/// (hidden, inner) a multiple of 256.
+pub fn ring_shapes(gs: usize, sizes: &[usize]) -> bool {
+    gs == 64 && sizes.iter().all(|&v| v >= 256 && v % 256 == 0)
 }
 
 /// A quantised matrix on the device (MLX affine, bf16 scales/biases kept as raw u16 bits).
@@ -50,6 +60,24 @@ pub struct Experts {
     pub words: usize,
     pub groups: usize,
     pub gs: usize,
+    /// The same experts in the batched step's ring kernels' tile-major order (made by [`Gpu::tile_experts`] where
+    /// the shapes allow those kernels).
+    pub tiled: Option<TiledExperts>,
+}
+
+/// An expert buffer's codes, scales and biases in moe_seqs.cu's tile-major order (`experts_tile`: each 16-row item's
+/// 256-column chunks in 2 KB runs), at the same expert strides.
+pub struct TiledExperts {
+    pub w: CudaSlice<u32>,
+    pub s: CudaSlice<u16>,
+    pub b: CudaSlice<u16>,
+}
+
+/// Which expert buffer: gate|up rows (`[2n, H]`) or down rows (`[H, n]`), n = I (Is for the shared expert).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ExpertKind {
+    GateUp,
+    Down,
 }
 
 macro_rules! funcs {
@@ -81,6 +109,7 @@ funcs! {
     attn_combine_seqs: "attention", moe_gate_up_seqs_w1: "moe_seqs", moe_gate_up_seqs_w2: "moe_seqs",
     moe_down_seqs_w1: "moe_seqs", moe_down_seqs_w2: "moe_seqs", moe_gate_up_ring_t4: "moe_seqs",
     moe_gate_up_ring_t8: "moe_seqs", moe_down_ring_t4: "moe_seqs", moe_down_ring_t8: "moe_seqs",
+    experts_tile: "moe_seqs",
     router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs",
     dense_seqs_w1_k1: "moe_seqs", dense_seqs_w2_k1: "moe_seqs", dense_seqs_w1_k4: "moe_seqs", dense_seqs_w2_k4: "moe_seqs",
     dense_ring_n1: "moe_seqs", dense_ring_n2: "moe_seqs", dense_ring_n4: "moe_seqs", dense_ring_n8: "moe_seqs",
@@ -234,6 +263,8 @@ pub struct Gpu {
     pub sms: u32,
     /// Bytes copied to the device by [`Gpu::upload_parts`] so far.
     pub uploaded: std::sync::atomic::AtomicUsize,
+    /// Bytes of weight copies made on the device from uploaded ones (the experts' tile-major copies).
+    pub derived: std::sync::atomic::AtomicUsize,
     staging: std::sync::Mutex<Option<Staging>>,
     /// The sampler's buffers ([`Gpu::sample_download`]).
     pub(crate) sampler: std::sync::Mutex<Option<crate::sample::SampleScratch>>,
@@ -371,6 +402,7 @@ impl Gpu {
             gemv,
             sms,
             uploaded: Default::default(),
+            derived: Default::default(),
             staging: Default::default(),
             sampler: Default::default(),
             pdl,
@@ -380,6 +412,55 @@ impl Gpu {
             dense_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_RING").map_or(true, |v| v != "0")),
             _modules: modules.into_iter().map(|m| m.1).collect(),
         }))
+    }
+
+    /// Add the tile-major copy ([`Experts::tiled`]) that the batched step's ring kernels read: `n_experts` routed
+    /// experts of inner size `i` and the shared one (`is`) after them, hidden size `h`. Only for the shapes those kernels
+    /// take ([`ring_shapes`]); the copy is as large as the buffer and is counted in [`Gpu::derived`].
+    pub fn tile_experts(
+        &self,
+        x: &mut Experts,
+        kind: ExpertKind,
+        n_experts: usize,
+        (i, is): (usize, usize),
+        h: usize,
+    ) -> Result<()> {
+        ensure!(ring_shapes(x.gs, &[h, i, is]), "tile_experts: sizes {h}/{i}/{is}, group size {}", x.gs);
+        let words = |n: usize| 2 * n * h / 8 / if kind == ExpertKind::Down { 2 } else { 1 };
+        ensure!(
+            x.words == words(i) && x.groups == x.words / 8,
+            "tile_experts: expert strides {} / {}",
+            x.words,
+            x.groups
+        );
+        ensure!(x.w.len() >= n_experts * x.words + words(is), "tile_experts: expert buffer too short");
+        ensure!(x.s.len() >= (n_experts * x.words + words(is)) / 8, "tile_experts: scales too short");
+        ensure!(x.b.len() >= (n_experts * x.words + words(is)) / 8, "tile_experts: biases too short");
+        let t = TiledExperts { w: self.zeros(x.w.len())?, s: self.zeros(x.s.len())?, b: self.zeros(x.b.len())? };
+        let kd: i32 = if kind == ExpertKind::Down { 1 } else { 0 };
+        for (first, ne, n) in [(0, n_experts, i), (n_experts, 1, is)] {
+            let (wo, go) = (first * x.words, first * x.groups);
+            let v = [ne as i32, kd, n as i32, h as i32];
+            let (ws, gs) = (x.words as i64, x.groups as i64);
+            let at = |p: u64, bytes: usize| p + bytes as u64;
+            let st = &self.stream;
+            let src =
+                [at(x.w.device_ptr(st).0, 4 * wo), at(x.s.device_ptr(st).0, 2 * go), at(x.b.device_ptr(st).0, 2 * go)];
+            let dst =
+                [at(t.w.device_ptr(st).0, 4 * wo), at(t.s.device_ptr(st).0, 2 * go), at(t.b.device_ptr(st).0, 2 * go)];
+            let mut l = self.launcher(&self.f.experts_tile);
+            l.arg(&src[0]).arg(&src[1]).arg(&src[2]).arg(&ws).arg(&gs);
+            l.arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
+            l.arg(&dst[0]).arg(&dst[1]).arg(&dst[2]);
+            // SAFETY: matches experts_tile (moe_seqs.cu): `ne` experts of `words(n)` codes and words / 8 scales and
+            // biases from offset `first` of buffers that hold them (checked above; the copy is as long), group size
+            // 64 and the sizes multiples of 256 (ring_shapes), so items of 16 rows and chunks of 256 columns are
+            // whole; grid-stride, any grid.
+            unsafe { l.launch(cfg((4 * self.sms, 1), 256, 0)) }?;
+        }
+        self.derived.fetch_add(x.w.len() * 4 + (x.s.len() + x.b.len()) * 2, std::sync::atomic::Ordering::Relaxed);
+        x.tiled = Some(t);
+        Ok(())
     }
 
     /// Turn the step trace on (emptying the trace buffers) or off in every module (common.cuh `KTrace`).
@@ -418,6 +499,8 @@ impl Gpu {
                     end: u64_at(32),
                     code: u32_at(40),
                     nblocks: u32_at(44),
+                    sm: u32_at(48),
+                    block: u32_at(52),
                 });
             }
         }

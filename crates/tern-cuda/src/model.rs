@@ -9,7 +9,7 @@ use tern_model::quant::QuantMatrix;
 use tern_model::weights::{Linear, Mixer};
 use tern_model::{Config, LayerKind, Weights};
 
-use crate::gpu::{Experts, Gpu, QMat};
+use crate::gpu::{ExpertKind, Experts, Gpu, QMat};
 use crate::prefill::PrefillBuffers;
 
 /// Tokens one prefill pass reads at most (a longer prompt is read in chunks of this many): large enough that the
@@ -111,7 +111,19 @@ fn experts(gpu: &Gpu, ms: &[Vec<&QuantMatrix>], what: &str) -> Result<Experts> {
         ensure!(e + 1 == ms.len() || nw == (e + 1) * words, "{what}: routed experts differ in size");
     }
     let (w, s, b) = (gpu.upload_parts(&w, 0)?, gpu.upload(&s)?, gpu.upload(&b)?);
-    Ok(Experts { w, s, b, words, groups, gs: first[0].group_size() })
+    Ok(Experts { w, s, b, words, groups, gs: first[0].group_size(), tiled: None })
+}
+
+/// `x` with its tile-major copy for the batched step's ring kernels where the shapes allow them ([`Gpu::tile_experts`];
+/// `TERN_TILE_EXPERTS=0` leaves it out, for A/B measurements: the batched step then takes the register-streamed expert
+/// kernels).
+fn tiled(g: &Gpu, mut x: Experts, kind: ExpertKind, c: &Config) -> Result<Experts> {
+    let (h, i, is) = (c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+    let off = std::env::var("TERN_TILE_EXPERTS").is_ok_and(|v| v == "0");
+    if !off && crate::gpu::ring_shapes(x.gs, &[h, i, is]) {
+        g.tile_experts(&mut x, kind, c.num_experts, (i, is), h)?;
+    }
+    Ok(x)
 }
 
 impl DeviceModel {
@@ -175,8 +187,8 @@ impl DeviceModel {
                 post_norm: g.upload(&l.post_norm)?,
                 mixer,
                 router,
-                gate_up: experts(g, &gu, "gate_up")?,
-                down: experts(g, &dn, "down")?,
+                gate_up: tiled(g, experts(g, &gu, "gate_up")?, ExpertKind::GateUp, c)?,
+                down: tiled(g, experts(g, &dn, "down")?, ExpertKind::Down, c)?,
             });
         }
         let embed = stack(g, &[quant(&w.embed, "embed")?], "embed")?;
@@ -254,7 +266,7 @@ impl DeviceModel {
                 let sc = (1.0 / (cols as f32).sqrt()) / (255.0f32 / 12.0).sqrt();
                 g.fill_bf16(&mut s, sc)?;
                 g.fill_bf16(&mut b, -sc * 7.5)?;
-                Ok(Experts { w, s, b, words: 0, groups: 0, gs: 64 })
+                Ok(Experts { w, s, b, words: 0, groups: 0, gs: 64, tiled: None })
             };
             let mut gate_up = mk((e * 2 * i + 2 * is) * h / 8, (e * 2 * i + 2 * is) * h / 64, h)?;
             gate_up.words = 2 * i * h / 8;
@@ -262,6 +274,7 @@ impl DeviceModel {
             let mut down = mk((e * i + is) * h / 8, (e * i + is) * h / 64, i)?;
             down.words = i * h / 8;
             down.groups = i * h / 64;
+            let (gate_up, down) = (tiled(g, gate_up, ExpertKind::GateUp, c)?, tiled(g, down, ExpertKind::Down, c)?);
             layers.push(DLayer { in_norm: ones(h)?, post_norm: ones(h)?, mixer, router, gate_up, down });
         }
         let embed = qmat(c.vocab_size, h, 4, true)?;

@@ -522,7 +522,8 @@ impl Gpu {
     }
 
     /// Sort the `n * k` routed (token, slot) pairs of `idx` (written by [`Gpu::topk_rows`]) by expert, append the
-    /// shared expert's `n` pairs, and build the grouped GEMMs' tile list.
+    /// shared expert's `n` pairs, and build the grouped GEMMs' tile list (and, for tiles of at most 8 pairs, each
+    /// tile's tokens: the streamed kernels').
     pub fn moe_align(
         &self,
         idx: &CudaSlice<i32>,
@@ -540,13 +541,16 @@ impl Gpu {
             out.rowmap.len() >= n * (k + 1) && out.pos.len() >= n * (k + 1) && out.tiles.len() >= 3 * tiles,
             "moe_align: outputs sized for fewer tokens"
         );
+        ensure!(tile > 8 || (out.trows.len() >= 4 * tiles && n <= 1 << 16), "moe_align: tile rows for {n} tokens");
         ensure!(tiles <= 65535, "moe_align: {tiles} tiles over the grid limit");
         let (ni, ki, ei, bn) = (n as i32, k as i32, experts as i32, tile as i32);
         let mut l = self.launcher(&self.f.moe_align);
         l.arg(idx).arg(&ni).arg(&ki).arg(&ei).arg(&bn).arg(&out.rowmap).arg(&out.pos).arg(&out.ntile).arg(&out.tiles);
+        l.arg(&out.trows);
         // SAFETY: matches moe_align (prefill.cu), one block of 1024 threads, experts + 1 <= 1024 counters in shared
         // memory; idx holds expert ids < experts for the first k slots of every row (topk_rows writes them); the
-        // tile list fits max_moe_tiles (checked).
+        // tile list fits max_moe_tiles (checked), and so do the tile rows where tiles hold at most 8 pairs (the
+        // kernel writes them only then; 16-byte aligned: a fresh allocation).
         unsafe { l.launch(cfg((1, 1), 1024, 0)) }?;
         out.n = n;
         out.k = k;
@@ -845,6 +849,8 @@ pub struct MoeSorted {
     pub pos: CudaSlice<i32>,
     pub ntile: CudaSlice<i32>,
     pub tiles: CudaSlice<i32>,
+    /// Each tile's tokens for tiles of at most 8 pairs (moe_align's `trows`: 8 u16 a tile, as 4 u32).
+    pub trows: CudaSlice<u32>,
     pub n: usize,
     pub k: usize,
     pub experts: usize,
@@ -860,6 +866,7 @@ impl MoeSorted {
             pos: g.zeros(pairs)?,
             ntile: g.zeros(1)?,
             tiles: g.zeros(3 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
+            trows: g.zeros(4 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
             n: 0,
             k,
             experts,
@@ -1335,7 +1342,7 @@ pub(crate) fn moe_rows(
         }
         MoeExperts::Streamed => {
             mark("moe_gate_up (streamed)")?;
-            g.moe_gate_up_seqs(&l.gate_up, e, sizes, h, &sc.xn, &sc.sorted, &mut sc.act)?;
+            g.moe_gate_up_seqs(&l.gate_up, e, sizes, h, &sc.xb, &sc.sorted, &mut sc.act)?;
             mark("moe_down (streamed)")?;
             g.moe_down_seqs(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
         }

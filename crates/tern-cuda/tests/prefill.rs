@@ -209,6 +209,9 @@ fn moe_rows_match_cpu() {
         let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
         let eps = c.rms_norm_eps;
+        // the full shape takes the ring kernels, which read the experts' tile-major copy: compared with the
+        // register-streamed kernels (row-major) below, bit for bit
+        assert_eq!(dl.gate_up.tiled.is_some() && dl.down.tiled.is_some(), name == "full", "{name}: tile-major copies");
         let mut rng = Rng(21);
         for &n in ns {
             for forced in [false, true] {
@@ -286,12 +289,25 @@ fn moe_rows_match_cpu() {
                 let imax = sizes.0.max(sizes.1);
                 for tile in [tern_cuda::prefill::STREAM_TILE_DECODE, tern_cuda::prefill::STREAM_TILE] {
                     g.moe_align(&b.idx, n, k, e, tile, &mut b.sorted).unwrap();
+                    // each tile's tokens as the streamed gate|up kernels read them: rowmap of its pairs, 8 u16 a tile
+                    let rowmap = g.download(&b.sorted.rowmap).unwrap();
+                    let tiles = g.download(&b.sorted.tiles).unwrap();
+                    let trows = g.download(&b.sorted.trows).unwrap();
+                    let ntile = g.download(&b.sorted.ntile).unwrap()[0] as usize;
+                    for t in 0..ntile {
+                        let (p0, cnt) = (tiles[3 * t + 1] as usize, tiles[3 * t + 2] as usize);
+                        for i in 0..8 {
+                            let got = (trows[4 * t + i / 2] >> (16 * (i % 2))) & 0xffff;
+                            let want = if i < cnt { rowmap[p0 + i] as u32 } else { 0 };
+                            assert_eq!(got, want, "{name} N={n} tiles of {tile}: tile {t} pair {i}'s token");
+                        }
+                    }
                     let mut outs = Vec::new();
                     for ring in [true, false] {
                         g.moe_ring.store(ring, std::sync::atomic::Ordering::Relaxed);
                         g.stream.memcpy_htod(&vec![0x7fc0u16; n * (k + 1) * imax], &mut b.act).unwrap();
                         g.stream.memcpy_htod(&vec![f32::NAN; n * (k + 1) * h], &mut b.ybuf).unwrap();
-                        g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xn, &b.sorted, &mut b.act).unwrap();
+                        g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xb, &b.sorted, &mut b.act).unwrap();
                         g.moe_down_seqs(&dl.down, e, sizes, h, &b.act, &b.sorted, &mut b.ybuf).unwrap();
                         let ybits: Vec<u32> = g.download(&b.ybuf).unwrap().iter().map(|v| v.to_bits()).collect();
                         outs.push((g.download(&b.act).unwrap(), ybits));
@@ -304,7 +320,7 @@ fn moe_rows_match_cpu() {
                 g.stream.memcpy_htod(&x, &mut b.x).unwrap();
                 let nan = vec![f32::NAN; n * (k + 1) * h];
                 g.stream.memcpy_htod(&nan, &mut b.ybuf).unwrap();
-                g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xn, &b.sorted, &mut b.act).unwrap();
+                g.moe_gate_up_seqs(&dl.gate_up, e, sizes, h, &b.xb, &b.sorted, &mut b.act).unwrap();
                 g.moe_down_seqs(&dl.down, e, sizes, h, &b.act, &b.sorted, &mut b.ybuf).unwrap();
                 // the combine with the next norm fused (a layer's input norm: here the post-norm's gain) against the
                 // two launches, bit for bit: x, xb and xn

@@ -16,7 +16,7 @@
 // {entry time, time pdl_wait returned, exit time} (%globaltimer, ns) to this module's g_trace.
 struct TraceRec {
     unsigned long long pre, wait, m1, m2, end;
-    unsigned int code, nblocks, sm, pad;
+    unsigned int code, nblocks, sm, block;  // block: blockIdx.x | blockIdx.y << 16 (z not kept)
 };
 #ifndef TRACE_CAP  // records per module (moe_seqs.cu holds more: a batched step's expert and dense blocks)
 #define TRACE_CAP 32768
@@ -72,7 +72,7 @@ struct KTrace {
                 r.code = code;
                 r.nblocks = gridDim.x * gridDim.y * gridDim.z;
                 r.sm = smid();
-                r.pad = 0;
+                r.block = blockIdx.x | blockIdx.y << 16;
                 g_trace[i] = r;
             }
         }

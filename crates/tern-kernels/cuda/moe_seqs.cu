@@ -27,11 +27,12 @@
 //                   dequantise each k-block once for all n <= 8 NT tokens; grid (rows / 128, 1, KZ), the KZ column
 //                   ranges one cluster (dense_ring below). Bytes rows*cols/2 (+ scales) + 2*n*cols per block (x, L2).
 // moe_gate_up_seqs_w{1,2}  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t,
-//                   expert e) of tile blockIdx.y (t = rowmap[p]), j in [64 blockIdx.x, +64) of the expert's n = I (or
-//                   Is for the shared expert E); xn f32 [N, H] (the post-norm rows), act bf16 [pairs, ld]. 128
+//                   expert e) of tile blockIdx.y (t = rowmap[p], as moe_align's trows[y] packs them), j in [64
+//                   blockIdx.x, +64) of the expert's n = I (or Is for the shared expert E); xn bf16 [N, H] (the
+//                   post-norm rows as the norm rounds them: the mma's operands), act bf16 [pairs, ld]. 128
 //                   threads, a warp 2 items of 8 j (16 rows: 8 gate, 8 up) on tensor cores (below); W = 2 needs a
 //                   group size and H that are multiples of 64. Bytes: the routed experts' gate|up rows (+ scales) once
-//                   per pass of 8 tokens + H*4 per pair (xn from L2) + n*2 per pair (act). FLOPs 2 * pairs * 2n * H.
+//                   per pass of 8 tokens + H*2 per pair (xn from L2) + n*2 per pair (act). FLOPs 2 * pairs * 2n * H.
 // moe_down_seqs_w{1,2}  ybuf[p, r] = D_e[r] . act[p] for the pairs of tile blockIdx.y and rows r in [128 blockIdx.x,
 //                   +128) of H; the expert's n = I (or Is) columns of act (bf16: what the mma reads, and the layout
 //                   of the prefill GEMMs' act): a warp 2 items of 16 rows. Bytes: the experts' down rows once + n*2
@@ -107,15 +108,16 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ src, long ld, c
 #define MM_WARPS 4   // warps per block (128 threads)
 #define MM_TG 8      // tokens per pass (the mma's n)
 
-// Stage rows (rowmap[p0 + t], or p0 + t when direct; t < nt <= TGS) of src [*, ld] (f32 or bf16), cols columns
+// Stage rows row_of(t) (t < nt <= TGS) of src [*, ld] (f32 or bf16), cols columns
 // (a multiple of 32 W), into xs (the layout above; uint4 [cols / 8 * MM_TG], only the slots of tokens < nt
 // written) and xsum [cols / (32 W)][MM_TG]; every thread of the block calls it; ends with a barrier. The loads of
 // up to PER units per thread are issued together (one round trip for up to PER * blockDim units; a loop of one unit
 // per trip over all 8 token slots cost gate|up 183 against 170 us): 8 for bf16 rows (one 16-byte register load a
-// unit), 4 for f32 (two).
-template <int W, int TGS = MM_TG, typename T>
-__device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, const int* __restrict__ rowmap,
-                                          int p0, int nt, int cols, bool direct, uint4* xs, float* xsum) {
+// unit), 4 for f32 (two). `mid()` runs once, right after the first round's loads are issued (before they are
+// used): the ring kernels issue their first weight copies there, behind these loads rather than ahead of them.
+template <int W, int TGS = MM_TG, typename T, typename RowOf, typename Mid>
+__device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, RowOf row_of, int nt, int cols,
+                                          uint4* xs, float* xsum, Mid mid) {
     // TGS token slots (MM_TG for rows_mma; the ring kernels stage 4 or 8)
     // unit u = ((kb nt + t) 4 + c) W + i: 8 columns of one token (column 8 (c W + i) of its k-block: adjacent lanes
     // read adjacent 32 bytes); the 4 W units of one (kb, t) are adjacent lanes, and units is a multiple of 4 W, so a
@@ -139,7 +141,7 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
                 const int i = u & (W - 1), c = (u / W) & 3, q = u / (4 * W);
                 const int kb = (int)(((unsigned)q * magic) >> 16), t = q - kb * nt;
                 slot[k] = ((kb * W + i) * TGS + t) * 4 + c;
-                const long row = direct ? (long)(p0 + t) : (long)rowmap[p0 + t];
+                const long row = row_of(t);
                 const T* p = src + row * ld + kb * 32 * W + 8 * (c * W + i);
                 if constexpr (sizeof(T) == 4) {
                     va[k] = *reinterpret_cast<const float4*>(p);
@@ -151,6 +153,7 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
                 }
             }
         }
+        if (u0 == 0) mid();
 #pragma unroll
         for (int k = 0; k < PER; k++) {
             const int u = u0 + k * blockDim.x + threadIdx.x;
@@ -183,7 +186,13 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, co
             }
         }
     }
+    if (units == 0) mid();
     __syncthreads();
+}
+template <int W, int TGS = MM_TG, typename T, typename RowOf>
+__device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, RowOf row_of, int nt, int cols,
+                                          uint4* xs, float* xsum) {
+    stage_mma<W, TGS>(src, ld, row_of, nt, cols, xs, xsum, [] {});
 }
 
 // A weight load: the read-only path with a 256-byte L2 prefetch (ld.global.nc.L2::256B). Measured on the H200 (one
@@ -394,36 +403,49 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
 }
 
 // The tile of this block's grid row (blockIdx.y) of moe_align's list, once the previous kernel has finished (the
-// list comes from moe_align, the activations from the kernel before): its expert e, first pair p0, pair count cnt and
-// the expert's inner size n (Is for the shared expert E, else I); false where the row is past the list's length.
+// list comes from moe_align, the activations from the kernel before): its expert e, first pair p0, pair count cnt,
+// the expert's inner size n (Is for the shared expert E, else I) and, where trows is given, its pairs' tokens
+// (moe_align's trows: 8 u16); false where the row is past the list's length. The entry (and the tokens) are read
+// together with the length (the grid has as many rows as the list has room for): one round trip after the wait where
+// there were three (count, entry, rowmap). Traced at B = 8 (tern bench --trace, the slowest gate|up block's wait ->
+// tokens staged, means over the layers): 14.8 -> 10.0 us; the median block's 7.0 -> 6.8.
 struct MoeTile {
     int e, p0, cnt, n;
+    uint4 rows;
+    __device__ int row(int i) const {  // the token of the tile's pair i < 8
+        const unsigned w = i < 4 ? (i < 2 ? rows.x : rows.y) : (i < 6 ? rows.z : rows.w);
+        return (int)((w >> (16 * (i & 1))) & 0xffffu);
+    }
 };
-__device__ __forceinline__ bool moe_tile(const int* __restrict__ ntile, const int* __restrict__ tiles, int E, int I,
-                                         int Is, MoeTile& m) {
+__device__ __forceinline__ bool moe_tile(const int* __restrict__ ntile, const int* __restrict__ tiles,
+                                         const uint4* __restrict__ trows, int E, int I, int Is, MoeTile& m) {
     pdl_wait();
     const int t = blockIdx.y;
-    if (t >= *ntile) return false;
+    const int len = *ntile;
     m.e = tiles[3 * t];
     m.p0 = tiles[3 * t + 1];
     m.cnt = tiles[3 * t + 2];
+    if (trows) m.rows = trows[t];
+    if (t >= len) return false;
     m.n = m.e == E ? Is : I;
     return true;
 }
 
-// act[p, j] = silu(G_e[j] . xn[rowmap[p]]) * (U_e[j] . xn[rowmap[p]]): item r of warp w is j in [j0 + 8 (w R + r),
-// +8): A rows 0-7 are its gate rows, 8-15 its up rows (rows n + j), so every lane holds a gate and its up.
+// act[p, j] = silu(G_e[j] . xn[rowmap[p]]) * (U_e[j] . xn[rowmap[p]]) (the tile's tokens from trows): item r of
+// warp w is j in [j0 + 8 (w R + r), +8): A rows 0-7 are its gate rows, 8-15 its up rows (rows n + j), so every
+// lane holds a gate and its up.
 template <int W>
 __device__ __forceinline__ void moe_gate_up_mma(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                                                 const __nv_bfloat16* __restrict__ b, long words, long groups, int E,
-                                                int I, int Is, int H, int gshift, const float* __restrict__ xn,
+                                                int I, int Is, int H, int gshift,
+                                                const __nv_bfloat16* __restrict__ xn,
                                                 const int* __restrict__ ntile, const int* __restrict__ tiles,
-                                                const int* __restrict__ rowmap, __nv_bfloat16* __restrict__ act,
+                                                const uint4* __restrict__ trows, __nv_bfloat16* __restrict__ act,
                                                 int ld) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     MoeTile tl;
-    if (!moe_tile(ntile, tiles, E, I, Is, tl)) return;
+    if (!moe_tile(ntile, tiles, trows, E, I, Is, tl)) return;
     const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int j0 = blockIdx.x * (MM_WARPS * MM_R * 8);
     if (j0 >= n || cnt <= 0) return;
@@ -454,7 +476,7 @@ __device__ __forceinline__ void moe_gate_up_mma(const uint32_t* __restrict__ w, 
         rows_mma<W>(m, nk, gshift, nt, xs, xsum,
                     [&] {
                         cp_async_wait<0>();  // the scales (made visible by stage_mma's barrier)
-                        stage_mma<W>(xn, H, rowmap, p0 + g0, nt, H, false, xs, xsum);
+                        stage_mma<W>(xn, H, [&](int t) { return tl.row(g0 + t); }, nt, H, xs, xsum);
                     },
                     tot);
 #pragma unroll
@@ -479,7 +501,7 @@ __device__ __forceinline__ void moe_down_mma(const uint32_t* __restrict__ w, con
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     MoeTile tl;
-    if (!moe_tile(ntile, tiles, E, I, Is, tl)) return;
+    if (!moe_tile(ntile, tiles, nullptr, E, I, Is, tl)) return;
     const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int r0 = blockIdx.x * (MM_WARPS * MM_R * 16);
     if (r0 >= H || cnt <= 0) return;
@@ -510,7 +532,7 @@ __device__ __forceinline__ void moe_down_mma(const uint32_t* __restrict__ w, con
         rows_mma<W>(m, nk, gshift, nt, xs, xsum,
                     [&] {
                         cp_async_wait<0>();
-                        stage_mma<W>(act, ld, nullptr, p0 + g0, nt, n, true, xs, xsum);
+                        stage_mma<W>(act, ld, [&](int t) { return p0 + g0 + t; }, nt, n, xs, xsum);
                     },
                     tot);
 #pragma unroll
@@ -529,10 +551,11 @@ __device__ __forceinline__ void moe_down_mma(const uint32_t* __restrict__ w, con
 #define MOE_MMA(W)                                                                                                 \
     extern "C" __global__ void __launch_bounds__(128, 4) moe_gate_up_seqs_w##W(                                    \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
-        int Is, int H, int gshift, const float* xn, const int* ntile, const int* tiles, const int* rowmap,       \
+        int Is, int H, int gshift, const __nv_bfloat16* xn, const int* ntile, const int* tiles,                  \
+        const uint4* trows,                                                                                      \
         __nv_bfloat16* act, int ld) {                                                                            \
         KTRACE(43);                                                                                              \
-        moe_gate_up_mma<W>(w, s, b, words, groups, E, I, Is, H, gshift, xn, ntile, tiles, rowmap, act, ld);      \
+        moe_gate_up_mma<W>(w, s, b, words, groups, E, I, Is, H, gshift, xn, ntile, tiles, trows, act, ld);       \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128, 4) moe_down_seqs_w##W(                                       \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
@@ -569,15 +592,49 @@ MOE_MMA(2)
 //                   xs [Imax / 8 * TGS] | xsum [Imax / 64][TGS] (to 128 bytes) | 4 rings.
 // Measured alone (tools/moe_bench.cu, H200, one layer, uniform routing, B = 1 / 8 / 32 / 64, tiles of 4): gate|up
 // 15.3 / 33.6 / 80.8 / 110.9 -> 10.5 / 29.1 / 69.5 / 94.1 us, down 6.4 / 19.4 / 47.1 / 62.2 -> 5.9 / 15.2 / 34.9 / 46.1 us.
+// The weights come from the experts' tile-major copy (experts_tile below), where every chunk of an item, 16 rows x 128
+// bytes, is 2 KB in one run (and its scales and biases 128 bytes each): from the checkpoint's row-major layout each
+// stage read 128 bytes at a 1 KB stride (gate|up) and DRAM delivered less (tools/moe_bench.cu, H200, tiles of 4, the
+// same kernels reading either layout: gate|up 28.1 -> 24.1 us at B = 8, 67.7 -> 59.8 at 32, 91.2 -> 82.8 at 64; down
+// 14.9 -> 13.7, 36.6 -> 34.3, 47.7 -> 46.7). The other expert kernels (batch 1, the prefill GEMMs, the
+// register-streamed ones) keep reading the row-major buffers.
 // Requirements (host): group size 64, H and the inner sizes multiples of 256, tiles of at most TGS pairs
 // (or more: then passes of TGS, each streaming the rows again). They take the register-streamed kernels' arguments,
-// gshift included (always 1 here), so that the host launches either with one argument list.
+// gshift included (always 1 here), so that the host launches either with one argument list (the weights' three
+// pointers then at the tile-major copy).
 #define RING_R 2      // items per warp, computed together
 #ifndef RING_S  // (tools/moe_bench.cu builds other depths to compare)
 #define RING_S 2  // stages per warp ring
 #endif
 #define RING_NW 4     // warps per block
 #define RING_SLOT (RING_R * (2048 + 256))
+
+// experts_tile: the ring kernels' tile-major copy of `ne` experts of one expert buffer (w, s, b at expert 0 of the
+// range; strides words / groups u32 / bf16 entries, the same in the copy). An expert's rows form items of 16: gate|up
+// (kind 0, rows 2n x H columns) item q < n / 8 is gate rows 8q + (0..7) then their up rows n + 8q + (0..7), the ring's
+// item; down (kind 1, H x n) item q < H / 16 is rows 16q + (0..15). Unit (q, cc, ri) = item q's row ri, columns
+// [256 cc, +256), at ((q nc + cc) 16 + ri) (nc = cols / 256): 128 bytes of codes at that unit x 128, its 4 scales and
+// 4 biases at that unit x 8 bytes. One thread a 16-byte unit of codes (and, for the first of a row's 8, its scales
+// and biases); grid-stride. Requirements (host): group size 64, cols a multiple of 256, rows of whole items.
+extern "C" __global__ void experts_tile(const uint4* __restrict__ w, const uint2* __restrict__ s,
+                                        const uint2* __restrict__ b, long words, long groups, int ne, int kind, int n,
+                                        int H, uint4* __restrict__ wt, uint2* __restrict__ st, uint2* __restrict__ bt) {
+    const int rows = kind == 0 ? 2 * n : H, cols = kind == 0 ? H : n, nc = cols / 256;
+    const long per = (long)rows * cols / 32;  // 16-byte units of codes an expert
+    for (long v = (long)blockIdx.x * blockDim.x + threadIdx.x; v < per * ne; v += (long)gridDim.x * blockDim.x) {
+        const long e = v / per, u = v - e * per;
+        const int k = (int)(u & 7), ri = (int)((u >> 3) & 15);
+        const long qc = u >> 7;
+        const int q = (int)(qc / nc), cc = (int)(qc - (long)q * nc);
+        const long row = kind == 0 ? 8L * q + (ri & 7) + (ri >> 3) * (long)n : 16L * q + ri;
+        wt[e * words / 4 + (u >> 3) * 8 + k] = w[e * words / 4 + row * (cols / 32) + cc * 8 + k];
+        if (k == 0) {
+            const long src = e * groups / 4 + row * (cols / 256) + cc, dst = e * groups / 4 + (u >> 3);
+            st[dst] = s[src];
+            bt[dst] = b[src];
+        }
+    }
+}
 
 __device__ __forceinline__ void cp_async16_l2(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
@@ -597,7 +654,7 @@ struct RingItem {
 };
 
 // The products of this warp's item sets: set it (< sets), item r: rows 0-7 at item(it, r).w with row stride rs
-// bytes, rows 8-15 at + wstep (scales likewise: srs, swstep), over nc chunks, with the staged tokens (xs, xsum; nt of
+// bytes, rows 8-15 at + wstep, chunk cc at + cc cw (scales likewise: srs, swstep, cs), over nc chunks, with the staged tokens (xs, xsum; nt of
 // them in TGS slots, NT groups of 8 when NT > 1: each k-block's weights dequantised once for all of them); emit(it,
 // tot) gets each set's sums, tot[t][r][0..3] as rows_mma's for token group t (tokens 8 t + 2c, + 1). `stg` stages xs / xsum (block-wide, ending
 // with a barrier) once the first stage is in flight. The ring is this warp's RING_S stages. Every lane of the warp
@@ -607,7 +664,7 @@ struct RingItem {
 template <int TGS, int NT = 1, typename Item, typename Stage, typename Emit>
 __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, long wstep, long srs, long swstep,
                                           int nt, const uint4* xs, const float* xsum, unsigned char* ring, Stage stg,
-                                          Emit emit) {
+                                          Emit emit, long cw, long cs) {
     constexpr int R = RING_R, S = RING_S;
     const int lane = threadIdx.x & 31, g = lane >> 2, q4 = lane & 3;
     const bool tok = g < nt;
@@ -641,16 +698,18 @@ __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, 
         for (int r = 0; r < R; r++) {
             const RingItem ip = item(it, r);
 #pragma unroll
-            for (int k = 0; k < 4; k++) cp_async16_l2(slot + r * 2048 + dst_w[k], ip.w + src_w[k] + cc * 128);
-            cp_async8(slot + dst_s + r * 128, (lane < 16 ? ip.s : ip.b) + src_s + cc * 8);
+            for (int k = 0; k < 4; k++) cp_async16_l2(slot + r * 2048 + dst_w[k], ip.w + src_w[k] + cc * cw);
+            cp_async8(slot + dst_s + r * 128, (lane < 16 ? ip.s : ip.b) + src_s + cc * cs);
         }
     };
+    // the first S - 1 units' copies: stg issues them (its `first` argument) where its own loads allow
+    stg([&] {
 #pragma unroll
-    for (int v = 0; v < S - 1; v++) {
-        if (v < units) issue();
-        cp_async_commit();
-    }
-    stg();
+        for (int v = 0; v < S - 1; v++) {
+            if (v < units) issue();
+            cp_async_commit();
+        }
+    });
     float tot[NT][R][4];
 #pragma unroll
     for (int t = 0; t < NT; t++)
@@ -737,37 +796,37 @@ __device__ __forceinline__ int ring_base(int cols, int tgs) { return (cols / 8 *
 template <int TGS>
 __device__ __forceinline__ void moe_gate_up_ring(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
                                                  const __nv_bfloat16* __restrict__ b, long words, long groups, int E,
-                                                 int I, int Is, int H, const float* __restrict__ xn,
+                                                 int I, int Is, int H, const __nv_bfloat16* __restrict__ xn,
                                                  const int* __restrict__ ntile, const int* __restrict__ tiles,
-                                                 const int* __restrict__ rowmap, __nv_bfloat16* __restrict__ act,
+                                                 const uint4* __restrict__ trows, __nv_bfloat16* __restrict__ act,
                                                  int ld) {
     constexpr int JB = RING_NW * RING_R * 8;
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     MoeTile tl;
-    if (!moe_tile(ntile, tiles, E, I, Is, tl)) return;
+    if (!moe_tile(ntile, tiles, trows, E, I, Is, tl)) return;
     const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int j0 = blockIdx.x * JB;
     if (j0 >= n || cnt <= 0) return;
     uint4* xs = reinterpret_cast<uint4*>(smem);
     float* xsum = reinterpret_cast<float*>(xs + H / 8 * TGS);
     unsigned char* ring = smem + ring_base(H, TGS) + warp * RING_S * RING_SLOT;
-    const long rs = H / 2, srs = H / 32;  // bytes per row: codes, and scales (64-column groups, bf16)
     const unsigned char* wb = reinterpret_cast<const unsigned char*>(w + e * words);
     const unsigned char* sb = reinterpret_cast<const unsigned char*>(s + e * groups);
     const unsigned char* bb = reinterpret_cast<const unsigned char*>(b + e * groups);
-    // item r: gate rows j .. j + 7, up rows n + j ..; an item past n reads valid rows and stores nothing
+    // item r: gate rows j .. j + 7 and up rows n + j .., tile-major item j / 8 (H / 256 chunks of 16 rows x 128 bytes,
+    // and 16 x 8 bytes of scales); an item past n reads valid rows and stores nothing
     auto item = [&](int, int r) {
-        const int jl = min(j0 + 8 * (warp * RING_R + r), n - 8);
-        return RingItem{wb + jl * rs, sb + jl * srs, bb + jl * srs};
+        const long q = min(j0 + 8 * (warp * RING_R + r), n - 8) / 8;
+        return RingItem{wb + q * H * 8, sb + q * H / 2, bb + q * H / 2};
     };
     for (int g0 = 0; g0 < cnt; g0 += TGS) {
         const int nt = min(TGS, cnt - g0);
         if (g0 > 0) __syncthreads();  // the previous pass is done with xs
         rows_ring<TGS>(
-            item, 1, H / 256, rs, n * rs, srs, n * srs, nt, xs, xsum, ring,
-            [&] {
-                stage_mma<2, TGS>(xn, H, rowmap, p0 + g0, nt, H, false, xs, xsum);
+            item, 1, H / 256, 128, 1024, 8, 64, nt, xs, xsum, ring,
+            [&](auto first) {
+                stage_mma<2, TGS>(xn, H, [&](int t) { return tl.row(g0 + t); }, nt, H, xs, xsum, first);
                 trace_mark(0);
             },
             [&](int, float(&tot)[1][RING_R][4]) {
@@ -781,7 +840,8 @@ __device__ __forceinline__ void moe_gate_up_ring(const uint32_t* __restrict__ w,
                             act[(long)(p0 + g0 + 2 * c + q) * ld + jr + g] =
                                 __float2bfloat16(silu_f(tot[0][r][q]) * tot[0][r][2 + q]);
                 }
-            });
+            },
+            2048, 128);
     }
 }
 
@@ -795,7 +855,7 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     MoeTile tl;
-    if (!moe_tile(ntile, tiles, E, I, Is, tl)) return;
+    if (!moe_tile(ntile, tiles, nullptr, E, I, Is, tl)) return;
     const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int r0 = blockIdx.x * RB;
     if (r0 >= H || cnt <= 0) return;
@@ -803,23 +863,23 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
     uint4* xs = reinterpret_cast<uint4*>(smem);
     float* xsum = reinterpret_cast<float*>(xs + imax / 8 * TGS);
     unsigned char* ring = smem + ring_base(imax, TGS) + warp * RING_S * RING_SLOT;
-    const long rs = n / 2, srs = n / 32;
     const unsigned char* wb = reinterpret_cast<const unsigned char*>(w + e * words);
     const unsigned char* sb = reinterpret_cast<const unsigned char*>(s + e * groups);
     const unsigned char* bb = reinterpret_cast<const unsigned char*>(b + e * groups);
     auto start = [&](int it, int r) { return r0 + 16 * ((it * RING_NW + warp) * RING_R + r); };
-    // an item past H reads valid rows and stores nothing
+    // tile-major item rl / 16 (n / 256 chunks of 16 rows x 128 bytes, 16 x 8 bytes of scales); an item past H reads
+    // valid rows and stores nothing
     auto item = [&](int it, int r) {
-        const int rl = min(start(it, r), H - 16);
-        return RingItem{wb + rl * rs, sb + rl * srs, bb + rl * srs};
+        const long q = min(start(it, r), H - 16) / 16;
+        return RingItem{wb + q * n * 8, sb + q * n / 2, bb + q * n / 2};
     };
     for (int g0 = 0; g0 < cnt; g0 += TGS) {
         const int nt = min(TGS, cnt - g0);
         if (g0 > 0) __syncthreads();
         rows_ring<TGS>(
-            item, SETS, n / 256, rs, 8 * rs, srs, 8 * srs, nt, xs, xsum, ring,
-            [&] {
-                stage_mma<2, TGS>(act, ld, nullptr, p0 + g0, nt, n, true, xs, xsum);
+            item, SETS, n / 256, 128, 1024, 8, 64, nt, xs, xsum, ring,
+            [&](auto first) {
+                stage_mma<2, TGS>(act, ld, [&](int t) { return p0 + g0 + t; }, nt, n, xs, xsum, first);
                 trace_mark(0);
             },
             [&](int it, float(&tot)[1][RING_R][4]) {
@@ -834,17 +894,18 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
                         if (2 * c + 1 < nt) ybuf[(long)(p0 + g0 + 2 * c + 1) * H + row] = tot[0][q][2 * h + 1];
                     }
                 }
-            });
+            },
+            2048, 128);
     }
 }
 
 #define MOE_RING(TGS, MINB)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128, MINB) moe_gate_up_ring_t##TGS(                               \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
-        int Is, int H, int, const float* xn, const int* ntile, const int* tiles, const int* rowmap,               \
+        int Is, int H, int, const __nv_bfloat16* xn, const int* ntile, const int* tiles, const uint4* trows,     \
         __nv_bfloat16* act, int ld) {                                                                            \
         KTRACE(43);                                                                                              \
-        moe_gate_up_ring<TGS>(w, s, b, words, groups, E, I, Is, H, xn, ntile, tiles, rowmap, act, ld);           \
+        moe_gate_up_ring<TGS>(w, s, b, words, groups, E, I, Is, H, xn, ntile, tiles, trows, act, ld);            \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128, 4) moe_down_ring_t##TGS(                                     \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
@@ -895,9 +956,10 @@ __device__ __forceinline__ void dense_ring(const uint32_t* __restrict__ w, const
     float* zw = reinterpret_cast<float*>(rings + warp * RING_S * RING_SLOT);
     rows_ring<TGS, NT>(
         item, 1, cz / 256, rs, 8 * rs, srs, 8 * srs, n, xs, xsum, rings + warp * RING_S * RING_SLOT,
-        [&] {
+        [&](auto first) {
+            first();     // the weights do not depend on the previous kernels: in flight before the wait
             pdl_wait();  // x (and y when adding) come from the previous kernels
-            stage_mma<2, TGS>(x + c0, cols, nullptr, 0, n, cz, true, xs, xsum);
+            stage_mma<2, TGS>(x + c0, cols, [](int t) { return t; }, n, cz, xs, xsum);
             trace_mark(0);
         },
         [&](int, float(&tot)[NT][RING_R][4]) {
@@ -920,7 +982,8 @@ __device__ __forceinline__ void dense_ring(const uint32_t* __restrict__ w, const
                             zw[rl * TGS + tk] = tot[t][r][v];
                         }
                     }
-        });
+        },
+        128, 8);  // the dense matrices' own row-major layout
     if (KZ1) return;
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();  // every block's sums are in its shared memory
@@ -1001,7 +1064,7 @@ __device__ __forceinline__ void dense_mma(const uint32_t* __restrict__ w, const 
                 [&] {
                     pdl_wait();          // x (and y when adding) come from the previous kernels
                     cp_async_wait<0>();  // the scales (made visible by stage_mma's barrier)
-                    stage_mma<W>(x + c0, cols, nullptr, t0, nt, cz, true, xs, xsum);
+                    stage_mma<W>(x + c0, cols, [&](int t) { return t0 + t; }, nt, cz, xs, xsum);
                     trace_mark(0);
                 },
                 tot);
