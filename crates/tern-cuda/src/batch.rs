@@ -51,6 +51,8 @@ const MAX_SPLIT: usize = 32;
 /// Rows and tokens per block of router_seqs (RS_R, RS_TG in moe_seqs.cu).
 const RS_R: usize = 16;
 const RS_TG: usize = 4;
+/// The most rows [`Gpu::topk_align_seqs`] takes (TA_ROWS in moe_seqs.cu: a warp each, one block).
+pub const TOPK_ALIGN_ROWS: usize = 8;
 /// j per block of moe_gate_up_seqs and output rows per block of moe_down_seqs (4 warps of 2 items: 8 j or 16 rows);
 /// tokens per pass (MM_WARPS, MM_R, MM_TG in moe_seqs.cu).
 const MM_J: usize = 64;
@@ -667,6 +669,54 @@ impl Gpu {
         Ok(())
     }
 
+    /// Whether the batched step takes [`Gpu::topk_align_seqs`] for `n` rows of top-`k` over `experts` in tiles of
+    /// `tile` pairs: turned on ([`Gpu::topk_align`]) and a shape it takes ([`topk_align_shapes`]).
+    pub fn topk_align_fits(&self, n: usize, k: usize, experts: usize, tile: usize) -> bool {
+        self.topk_align.load(std::sync::atomic::Ordering::Relaxed) && topk_align_shapes(n, k, experts, tile)
+    }
+
+    /// A decode batch's top-k and expert-sorted pairs in one launch (moe_seqs.cu `topk_align_seqs`, one block): what
+    /// [`Gpu::topk_rows`] and [`Gpu::moe_align`] (tiles of `tile` pairs) write, the same bits but for the order of
+    /// one expert's pairs within its run of `rowmap` (row order here). Shapes as [`topk_align_shapes`] says.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_align_seqs(
+        &self,
+        logits: &CudaSlice<f32>,
+        experts: usize,
+        k: usize,
+        n: usize,
+        tile: usize,
+        idx: &mut CudaSlice<i32>,
+        wts: &mut CudaSlice<f32>,
+        out: &mut MoeSorted,
+    ) -> Result<()> {
+        ensure!(
+            topk_align_shapes(n, k, experts, tile),
+            "topk_align_seqs: {n} rows (1..={TOPK_ALIGN_ROWS}), top-{k} (<= 8) of {experts} experts (<= 256) in \
+             tiles of {tile} (<= 8)"
+        );
+        let tiles = crate::prefill::max_moe_tiles(n, k, experts, tile);
+        ensure!(logits.len() >= n * (experts + 1), "topk_align_seqs: logits");
+        ensure!(idx.len() >= n * (k + 1) && wts.len() >= n * (k + 1), "topk_align_seqs: idx / wts");
+        ensure!(
+            out.rowmap.len() >= n * (k + 1)
+                && out.pos.len() >= n * (k + 1)
+                && out.tiles.len() >= 3 * tiles
+                && out.trows.len() >= 4 * tiles,
+            "topk_align_seqs: outputs sized for fewer tokens"
+        );
+        let [e, ki, ni, bn] = [experts, k, n, tile].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.topk_align_seqs);
+        l.arg(logits).arg(&e).arg(&ki).arg(&ni).arg(&bn).arg(&*idx).arg(&*wts).arg(&out.rowmap).arg(&out.pos);
+        l.arg(&out.ntile).arg(&out.tiles).arg(&out.trows);
+        // SAFETY: matches topk_align_seqs in moe_seqs.cu: one block of 32 n threads (n <= TA_ROWS, k <= 8, experts
+        // <= 256, tiles of <= 8 pairs: checked); logits hold n rows of experts + 1, idx / wts and the sorted outputs
+        // n (k + 1) pairs and max_moe_tiles tiles (checked; trows 16-byte aligned: a fresh allocation).
+        unsafe { l.launch(cfg((1, 1), 32 * n as u32, 0)) }?;
+        out.holds(n, k, experts, tile, tiles);
+        Ok(())
+    }
+
     /// The batched step's lm_head: [`Gpu::dense_seqs`], or above 32 rows of a vocabulary-sized matrix the prefill's
     /// [`Gpu::gemm_q4`] (weights dequantised once per 128-token tile, rounded to bf16), where dense_seqs' 8-row tiles
     /// dequantise every weight n / 8 times. Measured on the H200 (tern bench): alone, us at n = 32 / 64, 428 / 840
@@ -936,6 +986,15 @@ impl Gpu {
 /// the blocks' warps within 8 a multiprocessor, each range a multiple of `unit` columns (32 W times the in-block
 /// split) and of `gunit` (the group size times it). 2,048-row matrices at B <= 8: 64 blocks, so 4 ways (each warp 4
 /// k-blocks instead of 16).
+/// The shapes [`Gpu::topk_align_seqs`] takes: 1..=[`TOPK_ALIGN_ROWS`] rows, top-k <= 8 of k..=256 experts, tiles of
+/// <= 8 pairs.
+pub fn topk_align_shapes(n: usize, k: usize, experts: usize, tile: usize) -> bool {
+    (1..=TOPK_ALIGN_ROWS).contains(&n)
+        && (1..=8).contains(&k)
+        && (k..=256).contains(&experts)
+        && (1..=8).contains(&tile)
+}
+
 fn dense_split(groups: usize, cols: usize, unit: usize, gunit: usize, sms: usize) -> usize {
     let fits = |kz: usize| groups * 4 * kz <= 8 * sms && cols % (kz * unit) == 0 && cols % (kz * gunit) == 0;
     [8, 4, 2].into_iter().find(|&kz| fits(kz)).unwrap_or(1)

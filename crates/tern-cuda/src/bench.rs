@@ -281,6 +281,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) 
     println!("streamed experts, register-streamed -> ring kernels (ms a step): {}", ab(&g.moe_ring, &[1, 8, 32, 64])?);
     println!("lm_head above 32 rows, dense_seqs -> gemm_q4 (ms a step): {}", ab(&g.dense_gemm, &[48, 64])?);
     println!("dense products, register-streamed -> ring (ms a step): {}", ab(&g.dense_ring, &[1, 8, 32, 64])?);
+    println!("top-k and align, two launches -> one (ms a step): {}", ab(&g.topk_align, &[1, 2, 4, 8])?);
     // per-kernel-family profiles of one step at 8 and 32 sequences, side by side
     let sizes: Vec<usize> = [8, 32].into_iter().filter(|&b| b <= bmax).collect();
     let mut profiles = Vec::new();
@@ -687,8 +688,8 @@ fn trace_launches(recs: &[TraceRec]) -> Result<Vec<TraceLaunch>> {
 }
 
 /// A traced batched step, per kernel family: launches, and per launch the mean of `gap` (from the previous traced
-/// launch's last exit to this one's first wait return: the untraced kernels between them, rmsnorm_rows, topk_rows /
-/// moe_align and moe_combine, fall here, with the launch and dependency latency), `run` (first wait return to last
+/// launch's last exit to this one's first wait return: the launch and dependency latency, and any untraced kernel
+/// between them), `run` (first wait return to last
 /// exit) and `early` (first entry to first wait return: how far its blocks got in before their dependency); gap +
 /// run over all launches is the step. Kernels that mark two points (trace_mark) show their blocks' longest stretch
 /// from the wait to mark 1, mark 1 to 2 and mark 2 to the exit (means over launches). A launch is the records of one
@@ -713,7 +714,12 @@ fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
             43 => "moe_gate_up",
             44 => "moe_down",
             45 => "router_seqs",
+            47 => "topk_align_seqs",
             50 => "sample_rows",
+            60 => "rmsnorm_rows",
+            61 => "topk_rows",
+            62 => "moe_align",
+            63 => "moe_combine_norm",
             _ => "other",
         }
     };
@@ -886,10 +892,15 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         44 => "moe_down_seqs",
         45 => "router_seqs",
         46 => "dense_seqs",
+        47 => "topk_align_seqs",
         50 => "sample_rows",
         51 => "sample_pre_max",
         52 => "sample_pre_hist",
         53 => "sample_pre_gather",
+        60 => "rmsnorm_rows",
+        61 => "topk_rows",
+        62 => "moe_align",
+        63 => "moe_combine_norm",
         _ => "?",
     };
     let mut fam: Vec<String> = Vec::new();

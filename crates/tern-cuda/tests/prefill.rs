@@ -354,6 +354,106 @@ fn moe_rows_match_cpu() {
     println!("moe rows: {}", report.join("; "));
 }
 
+/// A decode batch's top-k and align in one launch (topk_align_seqs) against the two it replaces, topk_rows +
+/// moe_align, on the router logits (router_seqs) of random rows of the full shape: idx and wts bit for bit, the same
+/// tile list, each tile's pairs the same set (its packed tokens those of its rowmap entries), every pair's pos inside a
+/// tile of its own expert; the top-k against route() (the CPU reference) on the same logits. 1..=8 rows, tiles of
+/// 4 and 8, also with every row on the same experts (runs of n pairs: tiles cut inside one expert); each run twice
+/// (over the outputs of the first).
+#[test]
+fn topk_align_seqs_equals_topk_rows_and_moe_align() {
+    let Some(g) = gpu_or_skip("topk_align_seqs_equals_topk_rows_and_moe_align") else { return };
+    let c = full_config();
+    let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+    let eps = c.rms_norm_eps;
+    let mut rng = Rng(57);
+    let gain: Vec<f32> = rng.vec(h, 0.5).iter().map(|v| 1.0 + v).collect();
+    let dgain = g.upload(&gain).unwrap();
+    let q = QuantMatrix::quantize_grouped(&rng.vec((e + 1) * h, 0.05), e + 1, h, 8, 64).unwrap();
+    let dq = to_dev(&g, &q);
+    let bits32 = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut cases = 0;
+    for n in 1..=tern_cuda::batch::TOPK_ALIGN_ROWS {
+        for (tile, same) in [(4usize, false), (8, false), (4, true)] {
+            assert!(tern_cuda::batch::topk_align_shapes(n, k, e, tile), "n={n} tile {tile}: a shape it takes");
+            // rows alike (same) route alike: every expert then holds n pairs
+            let x: Vec<f32> = match same {
+                false => rng.vec(n * h, 2.0),
+                true => rng.vec(h, 2.0).repeat(n),
+            };
+            let (mut a, mut b) = (moe_bufs(&g, &c, n), moe_bufs(&g, &c, n));
+            g.stream.memcpy_htod(&x, &mut a.x).unwrap();
+            g.rmsnorm_rows(&a.x, n, &dgain, eps, &mut a.xb, Some(&mut a.xn)).unwrap();
+            g.router_seqs(&dq, &a.xn, n, &mut a.logits).unwrap();
+            g.stream.memcpy_dtod(&a.logits, &mut b.logits).unwrap();
+            g.topk_rows(&a.logits, e, k, n, &mut a.idx, &mut a.wts).unwrap();
+            g.moe_align(&a.idx, n, k, e, tile, &mut a.sorted).unwrap();
+            let logits = g.download(&a.logits).unwrap();
+            let want_idx = g.download(&a.idx).unwrap();
+            let want_wts = g.download(&a.wts).unwrap();
+            let want_ntile = g.download(&a.sorted.ntile).unwrap()[0] as usize;
+            let want_tiles = g.download(&a.sorted.tiles).unwrap();
+            let want_rowmap = g.download(&a.sorted.rowmap).unwrap();
+            let case = format!("n={n} tiles of {tile}{}", if same { ", rows alike" } else { "" });
+            // poisoned outputs: everything compared below is written by the launch
+            g.stream.memcpy_htod(&vec![-1i32; n * (k + 1)], &mut b.idx).unwrap();
+            g.stream.memcpy_htod(&vec![f32::NAN; n * (k + 1)], &mut b.wts).unwrap();
+            g.stream.memcpy_htod(&vec![-1i32; n * (k + 1)], &mut b.sorted.rowmap).unwrap();
+            g.stream.memcpy_htod(&vec![-1i32; n * (k + 1)], &mut b.sorted.pos).unwrap();
+            for rep in 0..2 {
+                g.topk_align_seqs(&b.logits, e, k, n, tile, &mut b.idx, &mut b.wts, &mut b.sorted).unwrap();
+                let at = format!("{case} run {rep}");
+                let idx = g.download(&b.idx).unwrap();
+                assert_eq!(idx, want_idx, "{at}: idx differs from topk_rows");
+                assert!(bits32(&g.download(&b.wts).unwrap()) == bits32(&want_wts), "{at}: wts differ");
+                let ntile = g.download(&b.sorted.ntile).unwrap()[0] as usize;
+                assert_eq!(ntile, want_ntile, "{at}: tile count");
+                let tiles = g.download(&b.sorted.tiles).unwrap();
+                assert_eq!(tiles[..3 * ntile], want_tiles[..3 * ntile], "{at}: tile list");
+                let rowmap = g.download(&b.sorted.rowmap).unwrap();
+                let trows = g.download(&b.sorted.trows).unwrap();
+                for t in 0..ntile {
+                    let (p0, cnt) = (tiles[3 * t + 1] as usize, tiles[3 * t + 2] as usize);
+                    let mut got: Vec<i32> = rowmap[p0..p0 + cnt].to_vec();
+                    let mut want: Vec<i32> = want_rowmap[p0..p0 + cnt].to_vec();
+                    got.sort_unstable();
+                    want.sort_unstable();
+                    if !same {
+                        assert_eq!(got, want, "{at}: tile {t}'s rows");
+                    }
+                    for i in 0..8 {
+                        let tok = (trows[4 * t + i / 2] >> (16 * (i % 2))) & 0xffff;
+                        let want = if i < cnt { rowmap[p0 + i] as u32 } else { 0 };
+                        assert_eq!(tok, want, "{at}: tile {t} pair {i}'s packed token");
+                    }
+                }
+                let pos = g.download(&b.sorted.pos).unwrap();
+                let mut seen = vec![false; n * (k + 1)];
+                for (i, &p) in pos.iter().enumerate().take(n * (k + 1)) {
+                    let p = p as usize;
+                    assert!(p < n * (k + 1) && !seen[p], "{at}: pair {i} at {p}: out of range or taken twice");
+                    seen[p] = true;
+                    assert_eq!(rowmap[p] as usize, i / (k + 1), "{at}: pair {i} at {p} holds another row");
+                    let t = (0..ntile).find(|&t| {
+                        let p0 = tiles[3 * t + 1] as usize;
+                        (p0..p0 + tiles[3 * t + 2] as usize).contains(&p)
+                    });
+                    let t = t.unwrap_or_else(|| panic!("{at}: pair {i} at {p} in no tile"));
+                    assert_eq!(tiles[3 * t], idx[i], "{at}: pair {i} in a tile of another expert");
+                }
+            }
+            // the CPU reference: route() on the same logits
+            for t in 0..n {
+                let row = &logits[t * (e + 1)..t * (e + 1) + e];
+                let ids: Vec<i32> = route(&c, row).iter().map(|r| r.0 as i32).collect();
+                assert_eq!(ids, want_idx[t * (k + 1)..t * (k + 1) + k], "{case}: row {t}'s top-k against route()");
+            }
+            cases += 1;
+        }
+    }
+    println!("topk_align_seqs: {cases} cases equal to topk_rows + moe_align (and route() on the CPU)");
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Gated DeltaNet
 

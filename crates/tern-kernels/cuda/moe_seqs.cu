@@ -1201,3 +1201,67 @@ __device__ __forceinline__ void router_seqs_body(const uint32_t* __restrict__ w,
     }
 ROUTER_SEQS(8)
 ROUTER_SEQS(4)
+
+// ---- topk_align_seqs: a decode batch's top-k and expert-sorted pairs in one launch ----
+// For n <= TA_ROWS rows of router logits [n, E + 1] (the shared-expert gate last): topk_rows' top-k (topk_warp, warp w
+// for row w: idx, wts [n, k + 1]) and moe_align's outputs for tiles of bn <= 8 pairs (rowmap, pos, ntile, tiles,
+// trows), the same bits except the order of one expert's pairs within its run of rowmap (row order here, any order
+// from moe_align's atomics). One block of 32 n threads; the n (k + 1) pairs are sorted in shared memory: pair i's
+// position is the number of pairs of lower experts plus its own expert's earlier pairs (E, the shared expert, last),
+// and a tile starts at every bn-th pair of an expert. Two launches and moe_align's 1,024-thread phases (its rowmap
+// written to and read back from global memory) become one: at B = 32 the two took 3.1 + 3.4 us a layer, with a
+// launch boundary between them (tern bench --trace). Up to 8 rows (one warp of top-k each on one multiprocessor): with
+// 16 the step at B = 16 was 1.4% slower than with the two launches. Requirements (host): k <= 8, E <= 256, bn <= 8,
+// n <= TA_ROWS.
+#define TA_ROWS 8
+extern "C" __global__ void __launch_bounds__(32 * TA_ROWS) topk_align_seqs(
+    const float* __restrict__ logits, int E, int k, int n, int bn, int* __restrict__ idx, float* __restrict__ wts,
+    int* __restrict__ rowmap, int* __restrict__ pos, int* __restrict__ ntile, int* __restrict__ tiles,
+    uint4* __restrict__ trows) {
+    KTRACE(47);
+    __shared__ int sid[TA_ROWS * 9], srow[TA_ROWS * 9], sstart[TA_ROWS * 9];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int kp = k + 1, P = n * kp;
+    pdl_wait();  // the logits come from the router
+    if (warp < n) {
+        const unsigned long long ids = topk_warp(logits + (long)warp * (E + 1), E, k, idx + warp * kp, wts + warp * kp);
+        if (lane < k) sid[warp * kp + lane] = (int)((ids >> (8 * lane)) & 0xff);
+        if (lane == k) sid[warp * kp + k] = E;
+    }
+    __syncthreads();
+    int e = 0, p = 0, cnt = 0, r = 0;
+    if (tid < P) {
+        e = sid[tid];
+        int before = 0;
+        for (int j = 0; j < P; j++) {
+            const int ej = sid[j];
+            before += ej < e;
+            cnt += ej == e;
+            r += ej == e && j < tid;
+        }
+        p = before + r;
+        pos[tid] = p;
+        rowmap[p] = tid / kp;
+        srow[p] = tid / kp;
+        sstart[p] = r % bn == 0;
+    }
+    __syncthreads();
+    if (tid < P && r % bn == 0) {
+        int ti = 0;
+        for (int q = 0; q < p; q++) ti += sstart[q];
+        const int m = min(bn, cnt - r);
+        tiles[3 * ti] = e;
+        tiles[3 * ti + 1] = p;
+        tiles[3 * ti + 2] = m;
+        unsigned wq[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (i < m) wq[i >> 1] |= ((unsigned)srow[p + i] & 0xffffu) << (16 * (i & 1));
+        trows[ti] = make_uint4(wq[0], wq[1], wq[2], wq[3]);
+    }
+    if (tid == 0) {
+        int t = 0;
+        for (int q = 0; q < P; q++) t += sstart[q];
+        *ntile = t;
+    }
+}

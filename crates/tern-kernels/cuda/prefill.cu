@@ -65,6 +65,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_rows(const float* __re
                                                                const float* __restrict__ gain, float eps, int H,
                                                                __nv_bfloat16* __restrict__ xb,
                                                                float* __restrict__ xn) {
+    KTRACE(60);
     __shared__ float red[32];
     float g[16];  // the gain is a weight: loaded before the dependency wait, its latency beside the previous kernel's
 #pragma unroll
@@ -190,6 +191,7 @@ extern "C" __global__ void __launch_bounds__(256) router_rows(const uint32_t* __
 
 extern "C" __global__ void topk_rows(const float* __restrict__ logits, int E, int k, int N, int* __restrict__ idx,
                                      float* __restrict__ wts) {
+    KTRACE(61);
     pdl_wait();
     const int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (n >= N) return;
@@ -203,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(const int* __restri
                                                              uint4* __restrict__ trows) {
     __shared__ int cnt[1024], off[1024], cur[1024];
     __shared__ int tile_off[1024];
+    KTRACE(62);
     pdl_wait();
     const int tid = threadIdx.x;
     for (int e = tid; e <= E; e += blockDim.x) cnt[e] = e == E ? N : 0;
@@ -390,6 +393,7 @@ __device__ __forceinline__ void moe_combine_norm_body(const float* __restrict__ 
     extern "C" __global__ void __launch_bounds__(256) moe_combine_norm_j##NJ(                                     \
         const float* ybuf, const int* pos, const float* wts, int k, int H, float* x, const float* gain, float eps, \
         __nv_bfloat16* xb, float* xn) {                                                                           \
+        KTRACE(63);                                                                                              \
         moe_combine_norm_body<NJ>(ybuf, pos, wts, k, H, x, gain, eps, xb, xn);                                     \
     }
 MOE_COMBINE_NORM(8)
