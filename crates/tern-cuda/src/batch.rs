@@ -981,11 +981,6 @@ impl Gpu {
     }
 }
 
-/// Column ranges dense_seqs splits a product over (grid z, one cluster: `dense_mma` in moe_seqs.cu) where its `groups`
-/// blocks (of 4 warps) would leave the GPU mostly idle: the most of 1, 2, 4, 8 (the portable cluster size) that keeps
-/// the blocks' warps within 8 a multiprocessor, each range a multiple of `unit` columns (32 W times the in-block
-/// split) and of `gunit` (the group size times it). 2,048-row matrices at B <= 8: 64 blocks, so 4 ways (each warp 4
-/// k-blocks instead of 16).
 /// The shapes [`Gpu::topk_align_seqs`] takes: 1..=[`TOPK_ALIGN_ROWS`] rows, top-k <= 8 of k..=256 experts, tiles of
 /// <= 8 pairs.
 pub fn topk_align_shapes(n: usize, k: usize, experts: usize, tile: usize) -> bool {
@@ -995,6 +990,11 @@ pub fn topk_align_shapes(n: usize, k: usize, experts: usize, tile: usize) -> boo
         && (1..=8).contains(&tile)
 }
 
+/// Column ranges dense_seqs splits a product over (grid z, one cluster: `dense_mma` in moe_seqs.cu) where its `groups`
+/// blocks (of 4 warps) would leave the GPU mostly idle: the most of 1, 2, 4, 8 (the portable cluster size) that keeps
+/// the blocks' warps within 8 a multiprocessor, each range a multiple of `unit` columns (32 W times the in-block
+/// split) and of `gunit` (the group size times it). 2,048-row matrices at B <= 8: 64 blocks, so 4 ways (each warp 4
+/// k-blocks instead of 16).
 fn dense_split(groups: usize, cols: usize, unit: usize, gunit: usize, sms: usize) -> usize {
     let fits = |kz: usize| groups * 4 * kz <= 8 * sms && cols % (kz * unit) == 0 && cols % (kz * gunit) == 0;
     [8, 4, 2].into_iter().find(|&kz| fits(kz)).unwrap_or(1)

@@ -1222,7 +1222,6 @@ pub(crate) fn prefill_layers(
 /// prefill passes), or router_seqs and the streamed few-token kernels of moe_seqs.cu over the few tokens each expert
 /// gets (decode batches, passes of at most [`STREAM_MAX_TOKENS`]; f32 activations in `act`, `[n * (k + 1), max(I,
 /// Is)]`).
-#[derive(Clone, Copy)]
 pub(crate) enum MoeExperts {
     Gemm,
     Streamed,
@@ -1294,44 +1293,6 @@ pub(crate) fn moe_rows(
         MoeExperts::Gemm => MOE_TILE,
         MoeExperts::Streamed => stream_tile(n),
     };
-    route_rows(m, li, sc, n, how, routes, tile, mark)?;
-    match how {
-        MoeExperts::Gemm => {
-            mark("moe_gate_up (gemm)")?;
-            g.moe_gate_up_rows(&l.gate_up, e, sizes, h, &sc.xb, n, k, &sc.sorted, &mut sc.act)?;
-            mark("moe_down (gemm)")?;
-            g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
-        }
-        MoeExperts::Streamed => {
-            mark("moe_gate_up (streamed)")?;
-            g.moe_gate_up_seqs(&l.gate_up, e, sizes, h, &sc.xb, &sc.sorted, &mut sc.act)?;
-            mark("moe_down (streamed)")?;
-            g.moe_down_seqs(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
-        }
-    }
-    mark("moe_combine")?;
-    match next_norm {
-        Some(gain) => g.moe_combine_norm(&sc.ybuf, &sc.sorted, &sc.wts, &mut sc.x, gain, eps, &mut sc.xb, None),
-        None => g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x),
-    }
-}
-
-/// [`moe_rows`]' routing as separate launches: the post-norm, the router, the top-k (or the held routes) and the
-/// align into tiles of `tile` pairs.
-#[allow(clippy::too_many_arguments)]
-fn route_rows(
-    m: &DeviceModel,
-    li: usize,
-    sc: &mut Scratch,
-    n: usize,
-    how: MoeExperts,
-    routes: Option<Routes>,
-    tile: usize,
-    mark: &mut dyn FnMut(&'static str) -> Result<()>,
-) -> Result<()> {
-    let (g, c, l) = (&*m.gpu, &m.config, &m.layers[li]);
-    let eps = c.rms_norm_eps;
-    let (k, e) = (c.num_experts_per_tok, c.num_experts);
     mark("rmsnorm")?;
     g.rmsnorm_rows(&sc.x, n, &l.post_norm, eps, &mut sc.xb, Some(&mut sc.xn))?;
     // the router goes with the experts: router_seqs with the streamed kernels (decode batches, passes of <= 256
@@ -1348,19 +1309,14 @@ fn route_rows(
         }
     }
     mark("moe_topk+align")?;
-    if matches!(how, MoeExperts::Streamed)
+    // a decode batch of a few rows: the top-k and the align in one launch (not with held routes: they replace idx)
+    let fused = matches!(how, MoeExperts::Streamed)
         && !matches!(routes, Some(Routes::Hold(_)))
-        && g.topk_align_fits(n, k, e, tile)
-    {
-        // a decode batch: both in one launch
-        g.topk_align_seqs(&sc.rlogits, e, k, n, tile, &mut sc.idx, &mut sc.wts, &mut sc.sorted)?;
-        if let Some(Routes::Log(r)) = routes {
-            let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
-            r.extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
-        }
-        return Ok(());
+        && g.topk_align_fits(n, k, e, tile);
+    match fused {
+        true => g.topk_align_seqs(&sc.rlogits, e, k, n, tile, &mut sc.idx, &mut sc.wts, &mut sc.sorted)?,
+        false => g.topk_rows(&sc.rlogits, e, k, n, &mut sc.idx, &mut sc.wts)?,
     }
-    g.topk_rows(&sc.rlogits, e, k, n, &mut sc.idx, &mut sc.wts)?;
     match routes {
         Some(Routes::Log(r)) => {
             let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
@@ -1384,7 +1340,28 @@ fn route_rows(
         }
         None => {}
     }
-    g.moe_align(&sc.idx, n, k, e, tile, &mut sc.sorted)
+    if !fused {
+        g.moe_align(&sc.idx, n, k, e, tile, &mut sc.sorted)?;
+    }
+    match how {
+        MoeExperts::Gemm => {
+            mark("moe_gate_up (gemm)")?;
+            g.moe_gate_up_rows(&l.gate_up, e, sizes, h, &sc.xb, n, k, &sc.sorted, &mut sc.act)?;
+            mark("moe_down (gemm)")?;
+            g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
+        }
+        MoeExperts::Streamed => {
+            mark("moe_gate_up (streamed)")?;
+            g.moe_gate_up_seqs(&l.gate_up, e, sizes, h, &sc.xb, &sc.sorted, &mut sc.act)?;
+            mark("moe_down (streamed)")?;
+            g.moe_down_seqs(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
+        }
+    }
+    mark("moe_combine")?;
+    match next_norm {
+        Some(gain) => g.moe_combine_norm(&sc.ybuf, &sc.sorted, &sc.wts, &mut sc.x, gain, eps, &mut sc.xb, None),
+        None => g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x),
+    }
 }
 
 /// FLOPs of a prefill of `n` tokens after `pos0` cached ones (matrix products, the chunked GDN and attention;
