@@ -13,7 +13,7 @@
 #   tools/cuda-run.sh ncu [kernel regex]  Nsight Compute on the batched decode's kernels (NCU_SKIP, NCU_COUNT)
 #   tools/cuda-run.sh stalls REGEX SKIP   per-instruction stall sampling of one launch (tools/ncu_stalls.py)
 # The environment passes through (TERN_BATCH_DECODE=0 / TERN_GPU_SAMPLING=0 turn the batched step and GPU sampling
-# off, TERN_BATCH_GRAPHS=0 its graphs, TERN_TILE_EXPERTS=0 the experts' tile-major copy, TERN_TOPK_ALIGN=0 the one-launch top-k and align; TERN_STEP_LOG=1 logs every engine step to serve.log; MAX_CONCURRENT, default 64).
+# off, TERN_BATCH_GRAPHS=0 its graphs, TERN_TILE_EXPERTS=0 the experts' tile-major copy, TERN_TOPK_ALIGN=0 the one-launch top-k and align, TERN_DENSE_TMA=0 the bulk-copy dense products; TERN_STEP_LOG=1 logs every engine step to serve.log; MAX_CONCURRENT, default 64).
 set -u
 OUT=${OUT:-/tmp/tern-out}
 mkdir -p "$OUT"

@@ -758,6 +758,11 @@ impl Gpu {
         ensure!(n <= MAX_SEQS, "dense_seqs: {n} rows (1..={MAX_SEQS})");
         check_dense(m, x, n, y, ldy, "dense_seqs")?;
         ensure!(m.rows >= 16, "dense_seqs: {} rows (at least 16)", m.rows);
+        if self.dense_tma.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Some(s) = dense_tma_slots(m.rows, m.cols, m.gs, n, self.sms as usize) {
+                return self.dense_tma(m, x, n, y, ldy, add, s);
+            }
+        }
         if self.dense_ring.load(std::sync::atomic::Ordering::Relaxed) && m.gs == 64 {
             if let Some(kz) = dense_ring_split(m.rows, m.cols, n, self.sms as usize) {
                 return self.dense_ring(m, x, n, y, ldy, add, kz);
@@ -852,6 +857,54 @@ impl Gpu {
         // memory ring_smem(cz, tgs) as laid out there (checked against the opt-in limit; a warp's sums for its
         // cluster, 32 x tgs floats, fit in its ring); with kz > 1 (<= 8) the kz blocks of one row range are one cluster.
         unsafe { l.launch(lc) }?;
+        Ok(())
+    }
+
+    /// [`Gpu::dense_seqs`] through moe_seqs.cu's `dense_tma_n{1,2}` with a ring of `slots` units: at most one block a
+    /// multiprocessor, each streaming a contiguous range of the matrix's 16-row units by bulk copies (the first `slots`
+    /// requested before the dependency wait) and dequantising each k-block once for all n tokens. Group size 64, rows
+    /// a multiple of 16, 2,048 or 4,096 columns, n <= 16 (checked).
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense_tma(
+        &self,
+        m: &QMat,
+        x: &CudaSlice<u16>,
+        n: usize,
+        y: &mut CudaSlice<f32>,
+        ldy: usize,
+        add: bool,
+        slots: usize,
+    ) -> Result<()> {
+        ensure!((1..=16).contains(&n), "dense_tma: {n} rows (1..=16)");
+        check_dense(m, x, n, y, ldy, "dense_tma")?;
+        ensure!(
+            m.gs == 64 && m.rows >= 16 && m.rows % 16 == 0 && m.cols % 2048 == 0 && m.cols <= 4096,
+            "dense_tma: {} x {} group {} (group 64, rows of 16, columns 2048 or 4096)",
+            m.rows,
+            m.cols,
+            m.gs
+        );
+        ensure!((1..=DT_MAXS).contains(&slots), "dense_tma: {slots} ring slots (1..={DT_MAXS})");
+        let tgs = ring_token_slots(n);
+        let smem = dense_tma_smem(m.cols, tgs, slots);
+        ensure!(smem <= SMEM_MAX, "dense_tma: {smem} bytes of shared memory");
+        let units = m.rows / 16;
+        ensure!(units <= u32::MAX as usize / 2, "dense_tma: {} rows", m.rows);
+        let grid = units.min(self.sms as usize) as u32;
+        let f = match tgs {
+            8 => &self.f.dense_tma_n1,
+            _ => &self.f.dense_tma_n2,
+        };
+        let (r, c, ni, ld, a, sl) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32, add as i32, slots as i32);
+        let mut l = self.launcher(f);
+        l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(x).arg(&ni).arg(&*y).arg(&ld).arg(&a).arg(&sl);
+        // SAFETY: matches dense_tma_n{1,2} (moe_seqs.cu) for tgs = 8 NT token slots >= n; W is a whole 4-bit QMat
+        // (rows x cols/8 words, rows x cols/64 scales/biases: every unit's bulk copies inside them) with rows a
+        // multiple of 16 and cols of 2048 (16-byte aligned, whole copies of codes, scales and biases; a multiple of
+        // 4 k-blocks a warp); x holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); grid <= units (every block
+        // has a unit); slots <= DT_MAXS; shared memory dense_tma_smem(cols, tgs, slots) as laid out there (checked
+        // against the opt-in limit).
+        unsafe { l.launch(cfg((grid, 1), (32 * DT_WARPS) as u32, smem)) }?;
         Ok(())
     }
 
@@ -1000,6 +1053,44 @@ fn dense_split(groups: usize, cols: usize, unit: usize, gunit: usize, sms: usize
     [8, 4, 2].into_iter().find(|&kz| fits(kz)).unwrap_or(1)
 }
 
+/// Warps of dense_tma's blocks (DT_WARPS in moe_seqs.cu) and the most ring slots it takes (DT_MAXS).
+const DT_WARPS: usize = 8;
+const DT_MAXS: usize = 8;
+/// Bytes of one dense_tma ring slot for `cols` columns: 16 rows of codes (cols / 2 bytes each), their scales and
+/// biases (cols / 32 bytes a row each), to 128 bytes.
+fn dense_tma_slot(cols: usize) -> usize {
+    (16 * (cols / 2 + 2 * (cols / 32))).next_multiple_of(128)
+}
+
+/// Shared memory of dense_tma (moe_seqs.cu) for `cols` columns, `tgs` token slots and `slots` ring slots: the staged
+/// bf16 tokens and their sums per 64-column k-block, the warps' partial sums (twice 16 rows x tgs), to 128 bytes,
+/// then the ring.
+fn dense_tma_smem(cols: usize, tgs: usize, slots: usize) -> usize {
+    (cols / 8 * tgs * 16 + cols / 64 * tgs * 4 + 2 * DT_WARPS * 16 * tgs * 4).next_multiple_of(128)
+        + slots * dense_tma_slot(cols)
+}
+
+/// The ring slots dense_seqs gives dense_tma for a `rows x cols` product (group size `gs`) at `n` tokens on `sms`
+/// multiprocessors, or None where it keeps the ring kernel: shapes dense_tma does not take, more than
+/// [`DENSE_RING_X`] staged token-columns (out_proj / o_proj above 8 tokens), and matrices whose blocks would each
+/// stream more than [`DT_UNITS`] units (the lm_head). Two slots (one where a block has one unit): more kept the next
+/// kernel's blocks off the multiprocessor and were slower (in_proj at 8 tokens 8.1 us with 2, 9.0 with 4).
+pub fn dense_tma_slots(rows: usize, cols: usize, gs: usize, n: usize, sms: usize) -> Option<usize> {
+    if gs != 64 || rows < 16 || rows % 16 != 0 || !(cols == 2048 || cols == 4096) || !(1..=16).contains(&n) || sms == 0
+    {
+        return None;
+    }
+    let units = rows / 16;
+    let per = units.div_ceil(units.min(sms));
+    let tgs = ring_token_slots(n);
+    let slots = per.min(2);
+    (cols * tgs <= DENSE_RING_X && per <= DT_UNITS && dense_tma_smem(cols, tgs, slots) <= SMEM_MAX).then_some(slots)
+}
+
+/// The most 16-row units a dense_tma block streams where dense_seqs takes it: the lm_head's 118 a block ran 111 us
+/// against the ring kernel's 102 at 8 tokens (its per-unit barrier is exposed when a block streams many).
+const DT_UNITS: usize = 8;
+
 /// Rows per block of dense_ring (RING_NW warps x RING_R items of 16 rows).
 const DENSE_RING_ROWS: usize = 128;
 /// At most this many staged token-columns (columns x token slots) a dense_ring block: 64 KB of bf16 tokens, which
@@ -1107,6 +1198,33 @@ mod tests {
         // 1,280 columns (5 chunks) split no further: they fit 8 token slots, not 64
         assert_eq!(dense_ring_split(512, 1280, 8, 132), Some(1));
         assert_eq!(dense_ring_split(512, 1280, 64, 132), None);
+    }
+
+    /// dense_tma's ring slots (host side) for the model's matrices on 132 multiprocessors: two (one for a block of one
+    /// unit), within the opt-in limit, none for the lm_head, for out_proj above 8 tokens and for the shapes it does
+    /// not take.
+    #[test]
+    fn dense_tma_slots_pick_the_dense_matrices() {
+        let slots = |rows, cols| [1, 8, 9, 16, 17].map(|n| dense_tma_slots(rows, cols, 64, n, 132));
+        // in_proj: 772 units, 6 a block; q|gate|k|v: 576, 5 a block
+        assert_eq!(slots(12352, 2048), [Some(2), Some(2), Some(2), Some(2), None]);
+        assert_eq!(slots(9216, 2048), [Some(2), Some(2), Some(2), Some(2), None]);
+        // out_proj / o_proj: 128 units, one a block (all of it requested before the dependency wait)
+        assert_eq!(slots(2048, 4096), [Some(1), Some(1), None, None, None]);
+        // the lm_head: 118 units a block
+        assert_eq!(slots(248320, 2048), [None; 5]);
+        for (rows, cols) in [(12352, 2048), (9216, 2048), (2048, 4096)] {
+            for n in 1..=16 {
+                if let Some(s) = dense_tma_slots(rows, cols, 64, n, 132) {
+                    assert!(dense_tma_smem(cols, ring_token_slots(n), s) <= SMEM_MAX, "{rows}x{cols} n {n}");
+                }
+            }
+        }
+        // group size, rows, columns it does not take
+        assert_eq!(dense_tma_slots(2048, 4096, 32, 8, 132), None);
+        assert_eq!(dense_tma_slots(1000, 2048, 64, 8, 132), None);
+        assert_eq!(dense_tma_slots(2048, 1024, 64, 8, 132), None);
+        assert_eq!(dense_tma_slots(2048, 8192, 64, 8, 132), None);
     }
 
     /// dense_seqs' column split (host side, no GPU): 4 / 2 / 1 ways for the 2,048-row matrices at 8 / 16 / 32 rows on

@@ -280,7 +280,10 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) 
     };
     println!("streamed experts, register-streamed -> ring kernels (ms a step): {}", ab(&g.moe_ring, &[1, 8, 32, 64])?);
     println!("lm_head above 32 rows, dense_seqs -> gemm_q4 (ms a step): {}", ab(&g.dense_gemm, &[48, 64])?);
+    let tma_was = g.dense_tma.swap(false, std::sync::atomic::Ordering::Relaxed);
     println!("dense products, register-streamed -> ring (ms a step): {}", ab(&g.dense_ring, &[1, 8, 32, 64])?);
+    g.dense_tma.store(tma_was, std::sync::atomic::Ordering::Relaxed);
+    println!("dense products, ring -> bulk copies (ms a step): {}", ab(&g.dense_tma, &[1, 2, 4, 8, 16])?);
     println!("top-k and align, two launches -> one (ms a step): {}", ab(&g.topk_align, &[1, 2, 4, 8])?);
     // per-kernel-family profiles of one step at 8 and 32 sequences, side by side
     let sizes: Vec<usize> = [8, 32].into_iter().filter(|&b| b <= bmax).collect();
@@ -440,11 +443,14 @@ fn dense_ab(m: &crate::model::DeviceModel) -> Result<()> {
         gdn.into_iter().flatten().chain(attn.into_iter().flatten()).chain([("lm_head", &m.lm_head)]).collect();
     let ns = [1usize, 8, 16, 32, 64];
     println!(
-        "dense products alone (us a launch, 50 in a graph): dense_seqs (ring) / register-streamed / gemm_q4 at n = 1 \
-         / 8 / 16 / 32 / 64; then the ring kernel with its columns in 1 / 2 / 4 / 8 ranges (- where it does not fit)"
+        "dense products alone (us a launch, 50 in a graph): dense_seqs (as the step takes it) / ring / \
+         register-streamed / gemm_q4 at n = 1 / 8 / 16 / 32 / 64; then the ring kernel with its columns in 1 / 2 / 4 / \
+         8 ranges | the bulk-copy kernel (dense_tma) with 1 / 2 / 4 ring slots (- where it does not fit)"
     );
     let ring = |on: bool| g.dense_ring.store(on, std::sync::atomic::Ordering::Relaxed);
+    let tma = |on: bool| g.dense_tma.store(on, std::sync::atomic::Ordering::Relaxed);
     let was = g.dense_ring.load(std::sync::atomic::Ordering::Relaxed);
+    let tma_was = g.dense_tma.load(std::sync::atomic::Ordering::Relaxed);
     for (name, q) in mats {
         let mut x = g.zeros::<u16>(64 * q.cols)?;
         g.fill_bf16(&mut x, 0.01)?;
@@ -453,11 +459,14 @@ fn dense_ab(m: &crate::model::DeviceModel) -> Result<()> {
         let (mut cells, mut ways) = (Vec::new(), Vec::new());
         for &n in &ns {
             ring(true);
+            tma(true);
             let a = graph_time(g, reps, &mut || g.dense_seqs(q, &x, n, &mut y, q.rows, false))?;
+            tma(false);
+            let r = graph_time(g, reps, &mut || g.dense_seqs(q, &x, n, &mut y, q.rows, false))?;
             ring(false);
             let b = graph_time(g, reps, &mut || g.dense_seqs(q, &x, n, &mut y, q.rows, false))?;
             let c = graph_time(g, reps, &mut || g.gemm_q4(q, &x, n, &mut y, q.rows, false))?;
-            cells.push(format!("{a:>6.1} /{b:>6.1} /{c:>6.1}"));
+            cells.push(format!("{a:>6.1} /{r:>6.1} /{b:>6.1} /{c:>6.1}"));
             let mut w = Vec::new();
             for kz in [1, 2, 4, 8] {
                 w.push(match g.dense_ring(q, &x, n, &mut y, q.rows, false, kz) {
@@ -468,12 +477,22 @@ fn dense_ab(m: &crate::model::DeviceModel) -> Result<()> {
                     Err(_) => "-".to_string(),
                 });
             }
-            ways.push(w.join("/"));
+            let mut t = Vec::new();
+            for sl in [1, 2, 4] {
+                t.push(match g.dense_tma(q, &x, n, &mut y, q.rows, false, sl) {
+                    Ok(()) => {
+                        format!("{:.1}", graph_time(g, reps, &mut || g.dense_tma(q, &x, n, &mut y, q.rows, false, sl))?)
+                    }
+                    Err(_) => "-".to_string(),
+                });
+            }
+            ways.push(format!("{} | {}", w.join("/"), t.join("/")));
         }
         println!("  {name:<13} {:>6} x {:>5}  {}", q.rows, q.cols, cells.join("   "));
         println!("  {:<28} {}", "", ways.join("   "));
     }
     ring(was);
+    tma(tma_was);
     Ok(())
 }
 

@@ -113,6 +113,7 @@ funcs! {
     router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs", topk_align_seqs: "moe_seqs",
     dense_seqs_w1_k1: "moe_seqs", dense_seqs_w2_k1: "moe_seqs", dense_seqs_w1_k4: "moe_seqs", dense_seqs_w2_k4: "moe_seqs",
     dense_ring_n1: "moe_seqs", dense_ring_n2: "moe_seqs", dense_ring_n4: "moe_seqs", dense_ring_n8: "moe_seqs",
+    dense_tma_n1: "moe_seqs", dense_tma_n2: "moe_seqs",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
     // multi-token (prefill) kernels: see prefill.rs
@@ -283,6 +284,9 @@ pub struct Gpu {
     /// dense_seqs takes the ring kernel where the shapes allow (moe_seqs.cu `dense_ring_n*`; default,
     /// `TERN_DENSE_RING=0` turns it off): the bench A/Bs the two.
     pub dense_ring: std::sync::atomic::AtomicBool,
+    /// dense_seqs takes the bulk-copy kernel where the shapes allow (moe_seqs.cu `dense_tma_n*`, ahead of the ring
+    /// kernel; default, `TERN_DENSE_TMA=0` turns it off): the bench A/Bs the two.
+    pub dense_tma: std::sync::atomic::AtomicBool,
     /// A decode batch of at most [`crate::batch::TOPK_ALIGN_ROWS`] rows takes its top-k and align in one launch
     /// ([`Gpu::topk_align_seqs`]; default, `TERN_TOPK_ALIGN=0` keeps topk_rows and moe_align): the bench A/Bs the two.
     pub topk_align: std::sync::atomic::AtomicBool,
@@ -413,6 +417,7 @@ impl Gpu {
             moe_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_MOE_RING").map_or(true, |v| v != "0")),
             dense_gemm: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_GEMM").map_or(true, |v| v != "0")),
             dense_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_RING").map_or(true, |v| v != "0")),
+            dense_tma: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_TMA").map_or(true, |v| v != "0")),
             topk_align: std::sync::atomic::AtomicBool::new(std::env::var("TERN_TOPK_ALIGN").map_or(true, |v| v != "0")),
             _modules: modules.into_iter().map(|m| m.1).collect(),
         }))

@@ -55,7 +55,7 @@ fn gemm_q4_matches_cpu() {
     let Some(g) = gpu_or_skip("gemm_q4_matches_cpu") else { return };
     let mut rng = Rng(41);
     let mut report = Vec::new();
-    let cases: [(usize, usize, usize, &[usize]); 7] = [
+    let cases: [(usize, usize, usize, &[usize]); 8] = [
         (12352, 2048, 64, &[1, 5, 32, 64, 65, 130]), // GDN in_proj
         (2048, 4096, 64, &[1, 8, 13, 63, 64]),       // out_proj / o_proj (dense_seqs: columns over 4 / 2 / 1 blocks)
         (2048, 2048, 32, &[2]),                      // group 32 (one word a k-block), columns over 4 blocks
@@ -63,6 +63,7 @@ fn gemm_q4_matches_cpu() {
         (100, 96, 32, &[1, 1000]),                   // tiny-b: K = 96 (a half k-step), group 32
         (257, 512, 128, &[3, 200]),                  // group 128
         (9216, 2048, 64, &[16, 48, 257]),            // attention q|gate|k|v
+        (33792, 2048, 64, &[3]),                     // dense_tma: 16 units a block, its ring wrapped 4 times
     ];
     for (rows, cols, gs, ns) in cases {
         let q = QuantMatrix::quantize_grouped(&rng.vec(rows * cols, 1.0), rows, cols, 4, gs).unwrap();
@@ -114,21 +115,39 @@ fn gemm_q4_matches_cpu() {
             // the batched step's few-token product (tensor cores on the exact codes, f32 scale/bias arithmetic): the
             // exact product to f32 accumulation (1e-4: the per-k-block s C + (b - 128 s) X cancels terms ~1000x the
             // result's scale)
-            // each way dense_seqs can take: the ring kernel (dense_ring) with its columns in each number of ranges that
-            // fits the shape, and the register-streamed kernel (dense_ring off)
+            // each way dense_seqs can take: the bulk-copy kernel (dense_tma) with the ring slots it picks and fewer
+            // (1 slot: a phase flip every unit), the ring kernel (dense_ring) with its columns in each number of ranges
+            // that fits the shape, and the register-streamed kernel (dense_ring and dense_tma off)
             let mut dense = String::new();
             if n <= tern_cuda::batch::MAX_SEQS {
                 let tgs = 8 * n.div_ceil(8).next_power_of_two();
                 let fits = |kz: usize| gs == 64 && rows % 16 == 0 && cols % (256 * kz) == 0 && cols / kz * tgs <= 32768;
-                let mut ways: Vec<(String, Option<usize>)> = vec![("register".into(), None)];
-                ways.extend([1, 2, 4, 8].into_iter().filter(|&kz| fits(kz)).map(|kz| (format!("ring/{kz}"), Some(kz))));
-                for (what, kz) in ways {
-                    let run = |dy: &mut _, ldy: usize, add: bool| match kz {
-                        Some(kz) => g.dense_ring(&dm, &dx, n, dy, ldy, add, kz).unwrap(),
-                        None => {
+                #[derive(Clone, Copy)]
+                enum Way {
+                    Register,
+                    Ring(usize),
+                    Tma(usize),
+                }
+                let mut ways: Vec<(String, Way)> = vec![("register".into(), Way::Register)];
+                ways.extend(
+                    [1, 2, 4, 8].into_iter().filter(|&kz| fits(kz)).map(|kz| (format!("ring/{kz}"), Way::Ring(kz))),
+                );
+                if let Some(sl) = tern_cuda::batch::dense_tma_slots(rows, cols, gs, n, g.sms as usize) {
+                    // the slots dense_seqs picks, and one (a phase flip every unit)
+                    let mut slots = vec![1, sl];
+                    slots.dedup();
+                    ways.extend(slots.into_iter().map(|s| (format!("tma/{s}"), Way::Tma(s))));
+                }
+                for (what, way) in ways {
+                    let run = |dy: &mut _, ldy: usize, add: bool| match way {
+                        Way::Ring(kz) => g.dense_ring(&dm, &dx, n, dy, ldy, add, kz).unwrap(),
+                        Way::Tma(s) => g.dense_tma(&dm, &dx, n, dy, ldy, add, s).unwrap(),
+                        Way::Register => {
                             g.dense_ring.store(false, std::sync::atomic::Ordering::Relaxed);
+                            g.dense_tma.store(false, std::sync::atomic::Ordering::Relaxed);
                             g.dense_seqs(&dm, &dx, n, dy, ldy, add).unwrap();
                             g.dense_ring.store(true, std::sync::atomic::Ordering::Relaxed);
+                            g.dense_tma.store(true, std::sync::atomic::Ordering::Relaxed);
                         }
                     };
                     let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
@@ -142,7 +161,7 @@ fn gemm_q4_matches_cpu() {
                     assert!(e_store < 1e-4 && e_add < 1e-4, "dense {what} {rows}x{cols} N={n}: {e_store} / {e_add}");
                     dense += &format!(", {what} {e_store:.1e} add {e_add:.1e}");
                 }
-                // and dense_seqs itself, as the step calls it (the ring kernel where it fits)
+                // and dense_seqs itself, as the step calls it (dense_tma or the ring kernel where they fit)
                 let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
                 g.dense_seqs(&dm, &dx, n, &mut dy, rows, false).unwrap();
                 let e = rel2(&g.download(&dy).unwrap(), &exact);

@@ -1013,6 +1013,141 @@ DENSE_RING(2, 3)
 DENSE_RING(4, 2)
 DENSE_RING(8, 2)
 
+// dense_tma_n{NT}: y[t, r] (+)= W[r] . x[t] as dense_seqs (the contract at the top) for n <= 8 NT tokens, the weights
+// streamed through a block-wide ring as gemv_tma streams batch 1's: at most one block of DT_WARPS warps a
+// multiprocessor, each taking a contiguous range of the matrix's 16-row units (u0 .. u0 + my), a unit = 16 whole rows
+// with their scales and biases, one ring slot (S of them, each with an mbarrier). Thread 0 copies a unit with three
+// bulk copies (TMA: its codes, scales, biases, each one contiguous run); the first S units are requested before the
+// dependency wait (the weights are constants), the tokens staged after it (stage_mma, TGS = 8 NT slots). Warp w takes
+// the k-blocks [w nkw, (w + 1) nkw) (nkw = cols / 64 / DT_WARPS) of every unit, dequantising each k-block once for
+// all the token groups (frag_mma, apply_mma: the ring kernels' arithmetic), and leaves its 16 x TGS partial sums in
+// red[unit & 1][w] (token-major); one barrier a unit, after which thread 0 refills the unit's slot with unit i + S and
+// thread (token, row) adds the warps' partials in warp order and stores (or adds) y. Deterministic. The rows keep
+// their stride of cols / 2 bytes in a slot, so the 8-byte loads of rows g = 0..3 of an mma meet in the same banks
+// (4-way); measured on the H200 (docs/cuda-notes.md step 38), a bulk copy per row into padded rows (48 small copies a
+// unit from one thread) was 2-3x slower, and 16-byte cp.async from every thread into swizzled rows no faster.
+// Requirements (host): group size 64, rows a multiple of 16, cols 2048 or 4096 (whole 16-byte scale rows, a multiple
+// of 4 k-blocks a warp), S <= DT_MAXS; shared memory dense_tma_smem(cols, TGS, S).
+#define DT_WARPS 8
+#define DT_MAXS 8
+template <int NT>
+__device__ __forceinline__ void dense_tma(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ s,
+                                          const __nv_bfloat16* __restrict__ b, int rows, int cols,
+                                          const __nv_bfloat16* __restrict__ x, int n, float* __restrict__ y, int ldy,
+                                          int add, int S) {
+    constexpr int TGS = 8 * NT;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[DT_MAXS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    const int rb = cols / 2, sbr = cols / 32;  // bytes a row: codes, scales (and biases)
+    const int slot_bytes = (16 * (rb + 2 * sbr) + 127) & ~127;
+    const int units = rows / 16;
+    const int u0 = (int)((unsigned)units * blockIdx.x / gridDim.x);
+    const int my = (int)((unsigned)units * (blockIdx.x + 1) / gridDim.x) - u0;
+    uint4* xs = reinterpret_cast<uint4*>(smem);
+    float* xsum = reinterpret_cast<float*>(xs + cols / 8 * TGS);
+    float* red = xsum + cols / 64 * TGS;  // [2][DT_WARPS][TGS tokens][16 rows]
+    unsigned char* ring = smem + ((cols / 8 * TGS * 16 + cols / 64 * TGS * 4 + 2 * DT_WARPS * 16 * TGS * 4 + 127) & ~127);
+    const unsigned char* wb = reinterpret_cast<const unsigned char*>(w);
+    const unsigned char* sb = reinterpret_cast<const unsigned char*>(s);
+    const unsigned char* bb = reinterpret_cast<const unsigned char*>(b);
+    auto issue = [&](int i, int slot) {  // thread 0: unit u0 + i into `slot`
+        unsigned char* d = ring + slot * slot_bytes;
+        const long r0 = (long)(u0 + i) * 16;
+        mbar_expect_tx(&full[slot], 16 * (rb + 2 * sbr));
+        bulk_g2s(d, wb + r0 * rb, 16 * rb, &full[slot]);
+        bulk_g2s(d + 16 * rb, sb + r0 * sbr, 16 * sbr, &full[slot]);
+        bulk_g2s(d + 16 * rb + 16 * sbr, bb + r0 * sbr, 16 * sbr, &full[slot]);
+    };
+    if (tid == 0) {
+#pragma unroll 1
+        for (int i = 0; i < S; i++) mbar_init(&full[i], 1);
+        mbar_fence_init();
+#pragma unroll 1
+        for (int i = 0; i < min(S, my); i++) issue(i, i);  // the weights are constants: before the wait
+    }
+    __syncthreads();  // the barriers are initialised for every thread
+    pdl_wait();       // x (and y when adding) come from the previous kernels
+    stage_mma<2, TGS>(x, cols, [](int t) { return t; }, n, cols, xs, xsum);
+    trace_mark(0);
+    uint32_t mask = 0x000F000Fu, hi = 0x43004300u;
+    asm volatile("" : "+r"(mask), "+r"(hi));
+    const int nkw = cols / 64 / DT_WARPS, kw0 = warp * nkw;
+    int slot = 0;
+    uint32_t phase = 0;
+#pragma unroll 1
+    for (int i = 0; i < my; i++) {
+        mbar_wait(&full[slot], phase);
+        if (i == 0) trace_mark(1);
+        const unsigned char* d = ring + slot * slot_bytes;
+        float tot[NT][4];
+#pragma unroll
+        for (int t = 0; t < NT; t++) tot[t][0] = tot[t][1] = tot[t][2] = tot[t][3] = 0.f;
+#pragma unroll 1
+        for (int kq = 0; kq < nkw; kq += 4) {
+            // the 4 groups' scales and biases of rows g and g + 8 (bf16 pairs: groups 0 1 | 2 3)
+            const unsigned char* sp = d + 16 * rb + (kw0 + kq) * 2;
+            const uint2 sv0 = lds64(sp + g * sbr), sv1 = lds64(sp + (g + 8) * sbr);
+            const uint2 bv0 = lds64(sp + 16 * sbr + g * sbr), bv1 = lds64(sp + 16 * sbr + (g + 8) * sbr);
+#pragma unroll
+            for (int kbl = 0; kbl < 4; kbl++) {
+                const int kb = kw0 + kq + kbl;
+                auto half = [&](const uint2& v) {
+                    const uint32_t p = kbl < 2 ? v.x : v.y;
+                    return __uint_as_float((kbl & 1) ? p & 0xffff0000u : p << 16);
+                };
+                // the lane's 8 bytes of the k-block in rows g and g + 8
+                const uint2 wl = lds64(d + g * rb + kb * 32 + c * 8), wh = lds64(d + (g + 8) * rb + kb * 32 + c * 8);
+                const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
+                MmaFrag<2> fr;
+                frag_mma<2>(w0s, w1s, mask, hi, fr);
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    // slots of tokens past n hold stale values: their sums are never stored
+                    uint4 xv[2];
+#pragma unroll
+                    for (int q = 0; q < 2; q++) xv[q] = xs[(kb * 2 + q) * (4 * TGS) + 32 * t + lane];
+                    const float2 xsm = *reinterpret_cast<const float2*>(xsum + kb * TGS + 8 * t + 2 * c);
+                    apply_mma<2>(fr, xv, xsm, half(sv0), half(sv1), half(bv0), half(bv1), tot[t]);
+                }
+            }
+        }
+        // tot[t][v]: row g + 8 (v >> 1), token 8 t + 2 c + (v & 1)
+        float* rw = red + ((i & 1) * DT_WARPS + warp) * 16 * TGS;
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) rw[(8 * t + 2 * c + (v & 1)) * 16 + g + 8 * (v >> 1)] = tot[t][v];
+        __syncthreads();  // every warp is done with the slot and has left its partial sums
+        if (tid == 0 && i + S < my) {
+            fence_proxy_async();
+            issue(i + S, slot);
+        }
+        const float* rr = red + (i & 1) * DT_WARPS * 16 * TGS;
+        for (int o = tid; o < 16 * n; o += blockDim.x) {
+            float v = 0.f;
+#pragma unroll
+            for (int q = 0; q < DT_WARPS; q++) v += rr[q * 16 * TGS + o];
+            float* dst = y + (long)(o >> 4) * ldy + (u0 + i) * 16 + (o & 15);
+            *dst = add ? *dst + v : v;
+        }
+        if (++slot == S) {
+            slot = 0;
+            phase ^= 1u;
+        }
+    }
+}
+
+#define DENSE_TMA(NT)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * DT_WARPS, 1) dense_tma_n##NT(                                \
+        const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, int rows, int cols,                   \
+        const __nv_bfloat16* x, int n, float* y, int ldy, int add, int S) {                                      \
+        KTRACE(46);                                                                                              \
+        dense_tma<NT>(w, s, b, rows, cols, x, n, y, ldy, add, S);                                                \
+    }
+DENSE_TMA(1)
+DENSE_TMA(2)
+
 // dense_seqs_w{W}_k{KS}: see the contract at the top. Block: 4 warps over 128 / KS rows; warp w takes the k-blocks of
 // split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the splits'
 // sums meet in shared memory in split order (deterministic). Item starts are clamped to rows - 16 (an item past the end
