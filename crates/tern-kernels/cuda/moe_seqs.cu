@@ -26,6 +26,9 @@
 //                   rows stream their weights as whole 128-byte lines through the ring kernels' warp rings (below) and
 //                   dequantise each k-block once for all n <= 8 NT tokens; grid (rows / 128, 1, KZ), the KZ column
 //                   ranges one cluster (dense_ring below). Bytes rows*cols/2 (+ scales) + 2*n*cols per block (x, L2).
+// dense_tma_n{1,2}  the same product for n <= 16 tokens, group size 64, rows a multiple of 16 and 2,048 or 4,096
+//                   columns: at most one block a multiprocessor streaming an even share of the matrix's 16-row units
+//                   by bulk copies through a block-wide ring (dense_tma below). Bytes as dense_ring's, x once a block.
 // moe_gate_up_seqs_w{1,2}  act[p, j] = silu(G_e[j] . xn[t]) * (U_e[j] . xn[t]) for every pair p = (token t,
 //                   expert e) of tile blockIdx.y (t = rowmap[p], as moe_align's trows[y] packs them), j in [64
 //                   blockIdx.x, +64) of the expert's n = I (or Is for the shared expert E); xn bf16 [N, H] (the
