@@ -55,7 +55,7 @@ fn gemm_q4_matches_cpu() {
     let Some(g) = gpu_or_skip("gemm_q4_matches_cpu") else { return };
     let mut rng = Rng(41);
     let mut report = Vec::new();
-    let cases: [(usize, usize, usize, &[usize]); 8] = [
+    let cases: [(usize, usize, usize, &[usize]); 7] = [
         (12352, 2048, 64, &[1, 5, 32, 64, 65, 130]), // GDN in_proj
         (2048, 4096, 64, &[1, 8, 13, 63, 64]),       // out_proj / o_proj (dense_seqs: columns over 4 / 2 / 1 blocks)
         (2048, 2048, 32, &[2]),                      // group 32 (one word a k-block), columns over 4 blocks
@@ -63,7 +63,6 @@ fn gemm_q4_matches_cpu() {
         (100, 96, 32, &[1, 1000]),                   // tiny-b: K = 96 (a half k-step), group 32
         (257, 512, 128, &[3, 200]),                  // group 128
         (9216, 2048, 64, &[16, 48, 257]),            // attention q|gate|k|v
-        (33792, 2048, 64, &[3]),                     // dense_tma: 16 units a block, its ring wrapped 4 times
     ];
     for (rows, cols, gs, ns) in cases {
         let q = QuantMatrix::quantize_grouped(&rng.vec(rows * cols, 1.0), rows, cols, 4, gs).unwrap();
