@@ -889,8 +889,9 @@ impl Gpu {
         let smem = dense_tma_smem(m.cols, tgs, slots);
         ensure!(smem <= SMEM_MAX, "dense_tma: {smem} bytes of shared memory");
         let units = m.rows / 16;
-        ensure!(units <= u32::MAX as usize / 2, "dense_tma: {} rows", m.rows);
         let grid = units.min(self.sms as usize) as u32;
+        // the kernel splits the units as units * block / grid in 32 bits
+        ensure!(units as u64 * grid as u64 <= u32::MAX as u64, "dense_tma: {} rows", m.rows);
         let f = match tgs {
             8 => &self.f.dense_tma_n1,
             _ => &self.f.dense_tma_n2,
@@ -902,7 +903,7 @@ impl Gpu {
         // (rows x cols/8 words, rows x cols/64 scales/biases: every unit's bulk copies inside them) with rows a
         // multiple of 16 and cols of 2048 (16-byte aligned, whole copies of codes, scales and biases; a multiple of
         // 4 k-blocks a warp); x holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); grid <= units (every block
-        // has a unit); slots <= DT_MAXS; shared memory dense_tma_smem(cols, tgs, slots) as laid out there (checked
+        // has a unit) and units * grid within 32 bits (its split, checked); slots <= DT_MAXS; shared memory dense_tma_smem(cols, tgs, slots) as laid out there (checked
         // against the opt-in limit).
         unsafe { l.launch(cfg((grid, 1), (32 * DT_WARPS) as u32, smem)) }?;
         Ok(())
