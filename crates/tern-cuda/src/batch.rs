@@ -902,9 +902,9 @@ impl Gpu {
         // SAFETY: matches dense_tma_n{1,2} (moe_seqs.cu) for tgs = 8 NT token slots >= n; W is a whole 4-bit QMat
         // (rows x cols/8 words, rows x cols/64 scales/biases: every unit's bulk copies inside them) with rows a
         // multiple of 16 and cols of 2048 (16-byte aligned, whole copies of codes, scales and biases; a multiple of
-        // 4 k-blocks a warp); x holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); grid <= units (every block
-        // has a unit) and units * grid within 32 bits (its split, checked); slots <= DT_MAXS; shared memory dense_tma_smem(cols, tgs, slots) as laid out there (checked
-        // against the opt-in limit).
+        // 4 k-blocks a warp); x holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); grid <=
+        // units (every block has a unit) and units * grid within 32 bits (its split, checked); slots <= DT_MAXS;
+        // shared memory dense_tma_smem(cols, tgs, slots) as laid out there (checked against the opt-in limit).
         unsafe { l.launch(cfg((grid, 1), (32 * DT_WARPS) as u32, smem)) }?;
         Ok(())
     }
