@@ -878,7 +878,7 @@ impl Gpu {
         ensure!((1..=16).contains(&n), "dense_tma: {n} rows (1..=16)");
         check_dense(m, x, n, y, ldy, "dense_tma")?;
         ensure!(
-            m.gs == 64 && m.rows >= 16 && m.rows % 16 == 0 && m.cols % 2048 == 0 && m.cols <= 4096,
+            dense_tma_shapes(m.rows, m.cols, m.gs),
             "dense_tma: {} x {} group {} (group 64, rows of 16, columns 2048 or 4096)",
             m.rows,
             m.cols,
@@ -1071,14 +1071,18 @@ fn dense_tma_smem(cols: usize, tgs: usize, slots: usize) -> usize {
         + slots * dense_tma_slot(cols)
 }
 
+/// The matrices dense_tma takes: group size 64, rows a multiple of 16, 2,048 or 4,096 columns.
+fn dense_tma_shapes(rows: usize, cols: usize, gs: usize) -> bool {
+    gs == 64 && rows >= 16 && rows % 16 == 0 && (cols == 2048 || cols == 4096)
+}
+
 /// The ring slots dense_seqs gives dense_tma for a `rows x cols` product (group size `gs`) at `n` tokens on `sms`
 /// multiprocessors, or None where it keeps the ring kernel: shapes dense_tma does not take, more than
 /// [`DENSE_RING_X`] staged token-columns (out_proj / o_proj above 8 tokens), and matrices whose blocks would each
 /// stream more than [`DT_UNITS`] units (the lm_head). Two slots (one where a block has one unit): more kept the next
 /// kernel's blocks off the multiprocessor and were slower (in_proj at 8 tokens 8.1 us with 2, 9.0 with 4).
 pub fn dense_tma_slots(rows: usize, cols: usize, gs: usize, n: usize, sms: usize) -> Option<usize> {
-    if gs != 64 || rows < 16 || rows % 16 != 0 || !(cols == 2048 || cols == 4096) || !(1..=16).contains(&n) || sms == 0
-    {
+    if !dense_tma_shapes(rows, cols, gs) || !(1..=16).contains(&n) || sms == 0 {
         return None;
     }
     let units = rows / 16;
