@@ -644,9 +644,10 @@ fn op_bytes(m: &crate::model::DeviceModel, st: &crate::seq::DeviceState, op: Ste
 }
 
 /// The records of each launch of a traced step, in wait order: the next `nblocks` records of one code (fewer where
-/// the code changes first).
+/// the code changes first). Blocks that left before their dependency wait (wait 0: moe_down's blocks past the tile
+/// list) are not in any launch ([`print_block_spread`] counts them).
 fn trace_groups(recs: &[TraceRec]) -> Vec<Vec<TraceRec>> {
-    let mut r = recs.to_vec();
+    let mut r: Vec<TraceRec> = recs.iter().filter(|x| x.wait != 0).cloned().collect();
     r.sort_by_key(|x| x.wait);
     let mut out = Vec::new();
     let mut i = 0;
@@ -878,6 +879,10 @@ fn print_block_spread(recs: &[TraceRec], code: u32, name: &str) -> Result<()> {
             empty as f64 / n,
             empty_exit / empty as f64
         );
+    }
+    let unwaited = recs.iter().filter(|x| x.code == code && x.wait == 0).count();
+    if unwaited > 0 {
+        println!("    {:.0} blocks a launch left before their dependency wait (no work)", unwaited as f64 / n);
     }
     println!("    slowest block (sm:x*y) per launch: {}", slowest_sm.join(" "));
     Ok(())

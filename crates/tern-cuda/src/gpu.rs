@@ -114,7 +114,7 @@ funcs! {
     dense_seqs_w1_k1: "moe_seqs", dense_seqs_w2_k1: "moe_seqs", dense_seqs_w1_k4: "moe_seqs", dense_seqs_w2_k4: "moe_seqs",
     dense_ring_n1: "moe_seqs", dense_ring_n2: "moe_seqs", dense_ring_n4: "moe_seqs", dense_ring_n8: "moe_seqs",
     dense_tma_n1: "moe_seqs", dense_tma_n2: "moe_seqs",
-    embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc",
+    embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc", pdl_nop: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
     // multi-token (prefill) kernels: see prefill.rs
     gemm_q4_store: "gemm", gemm_q4_add: "gemm", gemm_q4_swiglu: "gemm", gemm_q4_gstore: "gemm",
@@ -185,6 +185,14 @@ impl KArg for f32 {
 /// A kernel launch through `cuLaunchKernelEx` with programmatic stream serialization (programmatic dependent
 /// launch, also inside CUDA graphs): the kernel's blocks may start before the previous kernel ends and must call
 /// `pdl_wait()` (common.cuh) before reading anything that kernel writes. `TERN_NO_PDL=1` turns the attribute off.
+///
+/// What a kernel may read before its wait (the one rule every kernel's pre-wait reads follow): constants (weights,
+/// tables the host uploaded before the launch) and what kernels two or more launches back wrote. `pdl_wait()`
+/// lets the next kernel start only after this one's wait has returned, i.e. after the kernel before this one has
+/// finished; so when kernel K starts, K - 2 is complete. Examples: moe_down reads moe_align's tile list and asks
+/// for its experts' weights before its wait (gate|up between); moe_combine(_norm) reads the slots' positions and
+/// weights and its residual row; gdn_step_seqs loads its state. Nothing may write, before its wait, what K - 1
+/// could still read. A launch left out (the bench's `omit`) is replaced by a no-op kernel to keep the distance.
 pub struct KLaunch<'a> {
     gpu: &'a Gpu,
     func: &'a CudaFunction,
@@ -204,8 +212,21 @@ impl KLaunch<'_> {
     /// hold what the kernel reads and writes for this configuration.
     pub unsafe fn launch(&mut self, c: LaunchConfig) -> Result<()> {
         if self.gpu.omit.load(std::sync::atomic::Ordering::Relaxed) {
-            return Ok(());
+            // a left-out launch still takes its place in the chain: a no-op kernel, so that what a later kernel
+            // reads before its wait stays two launches away from its writer (see the struct's doc)
+            let mut nop = KLaunch { gpu: self.gpu, func: &self.gpu.f.pdl_nop, words: Vec::new(), cluster: None };
+            // SAFETY: pdl_nop (misc.cu) takes no arguments and touches no memory.
+            return unsafe {
+                nop.launch_now(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 })
+            };
         }
+        // SAFETY: the caller vouches for the arguments (above).
+        unsafe { self.launch_now(c) }
+    }
+
+    /// # Safety
+    /// As [`KLaunch::launch`]; this one launches whatever `omit` says.
+    unsafe fn launch_now(&mut self, c: LaunchConfig) -> Result<()> {
         self.gpu.ctx.bind_to_thread()?;
         let mut ptrs: Vec<*mut std::ffi::c_void> =
             self.words.iter_mut().map(|w| w as *mut u64 as *mut std::ffi::c_void).collect();

@@ -596,6 +596,7 @@ impl Gpu {
     ) -> Result<()> {
         let (n, k, h) = (sorted.n, sorted.k, gain.len());
         ensure!(h <= 4096 && n > 0 && n <= u32::MAX as usize, "moe_combine_norm: {n} rows of {h} (at most 4096)");
+        ensure!(k < 64, "moe_combine_norm: {k} routed slots a row (at most 63: COMBINE_SLOTS)");
         ensure!(ybuf.len() >= n * (k + 1) * h && wts.len() >= n * (k + 1), "moe_combine_norm: expert rows");
         ensure!(x.len() >= n * h && xb.len() >= n * h, "moe_combine_norm: buffers");
         ensure!(xn.as_ref().is_none_or(|v| v.len() >= n * h), "moe_combine_norm: f32 output too short");
@@ -608,7 +609,7 @@ impl Gpu {
             None => l.arg(&NULL),
         };
         // SAFETY: matches moe_combine_norm_j{8,16} (prefill.cu): one block of 256 threads a row, 8 or 16 columns a
-        // thread (h <= 2048 or 4096); pos entries < n*(k+1) rows of ybuf (moe_align over n, k); buffers checked.
+        // thread (h <= 2048 or 4096), k + 1 <= COMBINE_SLOTS (checked); pos entries < n*(k+1) rows of ybuf (moe_align over n, k); buffers checked.
         unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
         Ok(())
     }

@@ -53,7 +53,10 @@ struct KTrace {
     __device__ explicit KTrace(unsigned int c) : pre(0), code(c), on(*(volatile int*)&g_trace_on != 0) {
         if (on) {
             pre = gtime();
-            if (threadIdx.x == 0) trace_marks()[0] = trace_marks()[1] = 0;
+            if (threadIdx.x == 0) {  // 0: not marked, not waited (a block may leave before its wait)
+                trace_marks()[0] = trace_marks()[1] = 0;
+                trace_wait_time() = 0;
+            }
         }
     }
     __device__ ~KTrace() {
@@ -391,21 +394,28 @@ __device__ __forceinline__ unsigned long long topk_warp(const float* logits, int
     for (int j = 0; j < 8; j++) p[j] = lane + 32 * j < E ? expf(p[j] - m) : -1.f;
     float total = 0.f, mine = 0.f;
     int mine_i = 0;
+    // each round: the warp's largest value (one redux.sync over order-preserving keys of the lanes' maxima: every
+    // value here is >= 0, or -1 for no expert, -2 for taken), then the lowest index holding it (a second redux):
+    // the selection and order of k argmax rounds with ties to the lower index, in 2 reductions a round where the
+    // (value, index) butterfly took 10 dependent shuffles. NaN never wins (fmaxf and == skip it), as before.
     for (int sel = 0; sel < k; sel++) {
-        float bv = -1.f;
-        int bi = 0x7fffffff;
+        float lm = p[0];
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (p[j] > bv) { bv = p[j]; bi = lane + 32 * j; }  // ascending index: ties keep the lower
+        for (int j = 1; j < 8; j++) lm = fmaxf(lm, p[j]);
+        const unsigned lu = lm == lm ? __float_as_uint(lm) : 0xc0400000u;  // NaN as -3
+        const unsigned key = (lu & 0x80000000u) ? ~lu : (lu | 0x80000000u);
+        const unsigned mk = __reduce_max_sync(FULL_MASK, key);
+        const float bv = __uint_as_float((mk & 0x80000000u) ? (mk & 0x7fffffffu) : ~mk);
+        unsigned cand = 0xffffffffu;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-            int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        for (int j = 7; j >= 0; j--)
+            if (p[j] == bv) cand = lane + 32 * j;  // this lane's lowest index holding it
+        const int bi = (int)__reduce_min_sync(FULL_MASK, cand);
+        if ((bi & 31) == lane) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (j == bi >> 5) p[j] = -2.f;  // taken
         }
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            if (lane + 32 * j == bi) p[j] = -2.f;  // taken
         total += bv;
         if (lane == sel) { mine = bv; mine_i = bi; }
     }

@@ -62,27 +62,39 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* p) {
 
 // Stage rows rowmap[p0 + i] (or p0 + i when direct; i < nt, up to TG rows) of src [*, ld] (f32 or bf16, n columns)
 // into xs[i] (x DN_XSCALE, padded) and their CPV-column sums into cs[i][c]; rows i >= nt are zero. Every thread of
-// the block calls it (shuffles over the CPV/4 threads of a chunk: n % CPV == 0).
+// the block calls it (shuffles over the CPV/4 threads of a chunk: n % CPV == 0). A thread's loads of up to SR_PER
+// units are issued together, then used: one L2 round trip where a unit a trip took one each (the router's 4 rows of
+// 2,048 f32 columns are 8 units a thread of 256).
+#define SR_PER 8
 template <int TG, int CPV = 32, typename T = float>
 __device__ __forceinline__ void stage_rows(const T* __restrict__ src, long ld, const int* __restrict__ rowmap,
                                            int p0, int nt, int n, bool direct, float* xs, int xstride, float* cs) {
     constexpr int TPC = CPV / 4;  // threads per chunk
     const int n4 = n / 4, total = TG * n4;
-    for (int i0 = 0; i0 < total; i0 += blockDim.x) {  // uniform trip count: the shuffles see every lane
-        const int i = i0 + threadIdx.x;
-        const int tt = i / n4, c4 = i - tt * n4;
-        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (i < total && tt < nt) {
-            const long row = direct ? (long)(p0 + tt) : (long)rowmap[p0 + tt];
-            v = load4(src + row * ld + 4 * c4);
-        }
-        float sum = v.x + v.y + v.z + v.w;
+    for (int i0 = 0; i0 < total; i0 += SR_PER * blockDim.x) {  // uniform trip count: the shuffles see every lane
+        float4 v[SR_PER];
 #pragma unroll
-        for (int o = 1; o < TPC; o <<= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
-        if (i < total) {
-            *reinterpret_cast<float4*>(xs + tt * xstride + padx(4 * c4)) =
-                make_float4(v.x * DN_XSCALE, v.y * DN_XSCALE, v.z * DN_XSCALE, v.w * DN_XSCALE);
-            if ((c4 & (TPC - 1)) == 0) cs[tt * (n / CPV) + c4 / TPC] = sum;
+        for (int k = 0; k < SR_PER; k++) {
+            const int i = i0 + k * blockDim.x + threadIdx.x;
+            const int tt = i / n4, c4 = i - tt * n4;
+            v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (i < total && tt < nt) {
+                const long row = direct ? (long)(p0 + tt) : (long)rowmap[p0 + tt];
+                v[k] = load4(src + row * ld + 4 * c4);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < SR_PER; k++) {
+            const int i = i0 + k * blockDim.x + threadIdx.x;
+            const int tt = i / n4, c4 = i - tt * n4;
+            float sum = v[k].x + v[k].y + v[k].z + v[k].w;
+#pragma unroll
+            for (int o = 1; o < TPC; o <<= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
+            if (i < total) {
+                *reinterpret_cast<float4*>(xs + tt * xstride + padx(4 * c4)) =
+                    make_float4(v[k].x * DN_XSCALE, v[k].y * DN_XSCALE, v[k].z * DN_XSCALE, v[k].w * DN_XSCALE);
+                if ((c4 & (TPC - 1)) == 0) cs[tt * (n / CPV) + c4 / TPC] = sum;
+            }
         }
     }
 }
@@ -420,9 +432,12 @@ struct MoeTile {
         return (int)((w >> (16 * (i & 1))) & 0xffffu);
     }
 };
+// `wait` false: the caller waits itself, later (moe_down: the list is two launches old when it starts, so it may be
+// read, and the weights it names requested, before the wait).
 __device__ __forceinline__ bool moe_tile(const int* __restrict__ ntile, const int* __restrict__ tiles,
-                                         const uint4* __restrict__ trows, int E, int I, int Is, MoeTile& m) {
-    pdl_wait();
+                                         const uint4* __restrict__ trows, int E, int I, int Is, MoeTile& m,
+                                         bool wait = true) {
+    if (wait) pdl_wait();
     const int t = blockIdx.y;
     const int len = *ntile;
     m.e = tiles[3 * t];
@@ -858,7 +873,9 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     MoeTile tl;
-    if (!moe_tile(ntile, tiles, nullptr, E, I, Is, tl)) return;
+    // the tile list is moe_align's, two launches back (gate|up between): read, and its expert's first weights
+    // requested, before the dependency wait; act (gate|up's) after it
+    if (!moe_tile(ntile, tiles, nullptr, E, I, Is, tl, false)) return;
     const int e = tl.e, p0 = tl.p0, cnt = tl.cnt, n = tl.n;
     const int r0 = blockIdx.x * RB;
     if (r0 >= H || cnt <= 0) return;
@@ -882,7 +899,13 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
         rows_ring<TGS>(
             item, SETS, n / 256, 128, 1024, 8, 64, nt, xs, xsum, ring,
             [&](auto first) {
-                stage_mma<2, TGS>(act, ld, [&](int t) { return p0 + g0 + t; }, nt, n, xs, xsum, first);
+                if (g0 == 0) {
+                    first();
+                    pdl_wait();
+                    stage_mma<2, TGS>(act, ld, [&](int t) { return p0 + g0 + t; }, nt, n, xs, xsum, [] {});
+                } else {
+                    stage_mma<2, TGS>(act, ld, [&](int t) { return p0 + g0 + t; }, nt, n, xs, xsum, first);
+                }
                 trace_mark(0);
             },
             [&](int it, float(&tot)[1][RING_R][4]) {
@@ -1371,7 +1394,8 @@ extern "C" __global__ void __launch_bounds__(32 * TA_ROWS) topk_align_seqs(
     if (tid < P) {
         e = sid[tid];
         int before = 0;
-        for (int j = 0; j < P; j++) {
+#pragma unroll 8
+        for (int j = 0; j < P; j++) {  // unrolled: 8 shared loads in flight, not one a trip
             const int ej = sid[j];
             before += ej < e;
             cnt += ej == e;
@@ -1386,6 +1410,7 @@ extern "C" __global__ void __launch_bounds__(32 * TA_ROWS) topk_align_seqs(
     __syncthreads();
     if (tid < P && r % bn == 0) {
         int ti = 0;
+#pragma unroll 8
         for (int q = 0; q < p; q++) ti += sstart[q];
         const int m = min(bn, cnt - r);
         tiles[3 * ti] = e;
@@ -1399,6 +1424,7 @@ extern "C" __global__ void __launch_bounds__(32 * TA_ROWS) topk_align_seqs(
     }
     if (tid == 0) {
         int t = 0;
+#pragma unroll 8
         for (int q = 0; q < P; q++) t += sstart[q];
         *ntile = t;
     }

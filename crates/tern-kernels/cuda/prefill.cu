@@ -319,6 +319,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(const float* __res
     *reinterpret_cast<float4*>(x + (long)n * H + c) = acc;
 }
 
+// k + 1 <= COMBINE_SLOTS (host): the slots' positions and weights staged in shared memory before the wait
+#define COMBINE_SLOTS 64
+
 // moe_combine, then rmsnorm_rows of the new rows (the next layer's input norm, or the final norm) in one launch: one
 // block of 256 threads per row (H <= 256 NJ), columns c = tid + 256 j as in rmsnorm_rows. Each column's sum is
 // moe_combine's (the residual, then fmaf(weight, expert row, acc) slot by slot) and the norm's sums rmsnorm_rows',
@@ -338,25 +341,35 @@ __device__ __forceinline__ void moe_combine_norm_body(const float* __restrict__ 
         const int c = threadIdx.x + 256 * j;
         g[j] = c < H ? gain[c] : 0.f;
     }
-    pdl_wait();
+    // the row's slots (pos, wts: moe_align's and the top-k's, three launches back) and its residual x (last written
+    // by the mixer's output projection, before the router) are read before the dependency wait; only ybuf, the
+    // experts' rows from moe_down, after it
+    __shared__ int spos[COMBINE_SLOTS];
+    __shared__ float swts[COMBINE_SLOTS];
     const int n = blockIdx.x;
     const int* pn = pos + (long)n * (k + 1);
     const float* wn = wts + (long)n * (k + 1);
     float* xr = x + (long)n * H;
+    for (int i = threadIdx.x; i <= k; i += blockDim.x) {
+        spos[i] = pn[i];
+        swts[i] = wn[i];
+    }
     float v[NJ];
 #pragma unroll
     for (int j = 0; j < NJ; j++) {
         const int c = threadIdx.x + 256 * j;
         v[j] = c < H ? xr[c] : 0.f;
     }
+    __syncthreads();
+    pdl_wait();
     for (int s0 = 0; s0 <= k; s0 += CH) {
         float e[CH][NJ], wv[CH];
 #pragma unroll
         for (int q = 0; q < CH; q++) {
             wv[q] = 0.f;
             if (s0 + q <= k) {
-                wv[q] = wn[s0 + q];
-                const float* yr = ybuf + (long)pn[s0 + q] * H;
+                wv[q] = swts[s0 + q];
+                const float* yr = ybuf + (long)spos[s0 + q] * H;
 #pragma unroll
                 for (int j = 0; j < NJ; j++) {
                     const int c = threadIdx.x + 256 * j;
