@@ -124,7 +124,7 @@ funcs! {
     gdn_chunk_state: "prefill", gdn_chunk_out: "prefill", gdn_gated_norm: "prefill", gdn_ring: "prefill", attn_prep_rows: "prefill",
     flash_prefill_hd256: "flash", flash_prefill_hd128: "flash", flash_prefill_hd64: "flash",
     // sampling over many rows of logits: see sample.rs
-    sample_rows: "sample", sample_pre_max: "sample", sample_pre_hist: "sample", sample_pre_gather: "sample",
+    sample_rows: "sample", argmax_rows: "sample", sample_pre_max: "sample", sample_pre_hist: "sample", sample_pre_gather: "sample",
 }
 
 /// A kernel argument as the 8-byte word the launch passes a pointer to (little-endian: 4-byte arguments are the

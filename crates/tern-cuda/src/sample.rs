@@ -264,6 +264,8 @@ pub(crate) struct SampleScratch {
     out: CudaSlice<SampleOut>,
     /// sample.cu's `SamplePre` (a lone row's first passes over the whole GPU), as bytes.
     pre: CudaSlice<u8>,
+    /// argmax_rows' keys, one a row (as long as `out`).
+    keys: CudaSlice<u64>,
 }
 
 /// Bytes of sample.cu's `SamplePre`: two u64, two u32, the prefilter's 2,048 counts and [`KMAX`] u64 candidates.
@@ -286,6 +288,15 @@ fn lone_topk_row(rows: &[SampleRow]) -> Option<&SampleRow> {
         }
         _ => None,
     }
+}
+
+/// A batch of plain greedy rows (temperature <= 0; no mask, bias, penalty or log-probabilities): sample.cu's
+/// argmax_rows draws them, the ids sample_rows draws (its step 6), over the whole GPU.
+fn plain_greedy(rows: &[SampleRow]) -> bool {
+    !rows.is_empty()
+        && rows
+            .iter()
+            .all(|r| r.temperature <= 0.0 && r.logprobs < 0 && r.mask_off < 0 && r.pen_len == 0 && r.bias_len == 0)
 }
 
 /// The 4-byte words of a slice of the kernel's parameter structs.
@@ -324,13 +335,37 @@ impl Gpu {
         let mut guard = self.sampler.lock().map_err(|_| anyhow::anyhow!("sampler buffers poisoned"))?;
         if guard.as_ref().is_none_or(|s| s.words.len() < words.len() || s.out.len() < b) {
             let (nw, no) = (words.len().next_power_of_two().max(4096), b.next_power_of_two().max(64));
-            *guard = Some(SampleScratch { words: self.zeros(nw)?, out: self.zeros(no)?, pre: self.zeros(PRE_BYTES)? });
+            *guard = Some(SampleScratch {
+                words: self.zeros(nw)?,
+                out: self.zeros(no)?,
+                pre: self.zeros(PRE_BYTES)?,
+                keys: self.zeros(no)?,
+            });
         }
         let sc = guard.as_mut().context("sampler buffers")?;
         self.stream.memcpy_htod(&words, &mut sc.words.slice_mut(..words.len()))?;
         let ld = vocab as i64;
         let base = sc.words.device_ptr(&self.stream).0;
         let [pens, biases, masks] = [pens, biases, masks].map(|w| base + 4 * w as u64);
+        if plain_greedy(&batch.rows) {
+            self.stream.memset_zeros(&mut sc.keys.slice_mut(..b))?;
+            let split = (2 * self.sms as usize / b).clamp(1, 64) as u32;
+            let mut l = self.launcher(&self.f.argmax_rows);
+            l.arg(&*logits).arg(&ld).arg(&base).arg(&sc.keys);
+            // SAFETY: matches argmax_rows in sample.cu: grid (split, b), row b reads logits[b*vocab .. b*vocab +
+            // limit] (limit <= vocab, SampleBatch::push; inside the length checked above) and adds its maximum into
+            // keys[b] (b <= the keys' length, grown with the outputs above; zeroed just before).
+            unsafe { l.launch(cfg((split, b as u32), 256, 0)) }?;
+            let keys = self.stream.clone_dtoh(&sc.keys.slice(..b))?;
+            let out = |k: &u64| SampleOut {
+                token: !(*k as u32),
+                status: STATUS_OK,
+                logprob: 0.0,
+                n_top: 0,
+                top: [SampleTop::default(); MAX_TOP],
+            };
+            return Ok(keys.iter().map(out).collect());
+        }
         let mut pre = crate::gpu::NULL;
         if let Some(r) = lone_topk_row(&batch.rows) {
             let (n, k) = (r.limit as i32, r.top_k as i32);

@@ -328,3 +328,49 @@ fn lone_row_over_the_grid_equals_the_block_path() {
     tally.finish("lone top-k rows");
     println!("lone top-k rows: {same} draws equal to the one-block path's, bit for bit");
 }
+
+/// A batch of plain greedy rows takes argmax_rows (the rows split over the GPU) instead of sample_rows: the same ids
+/// as sample_rows draws for those rows (in a batch with a sampled row, which keeps every row on sample_rows) and as
+/// the reference, with NaNs, ties, -0 beside +0, a row of -inf and a limit below the vocabulary.
+#[test]
+fn greedy_rows_over_the_grid_equal_the_block_path() {
+    let Some(g) = gpu_or_skip("greedy_rows_over_the_grid_equal_the_block_path") else { return };
+    let mut tally = Tally::default();
+    let mut same = 0;
+    for (vocab, limit) in [(REAL_VOCAB, REAL_LIMIT), (1000, 997)] {
+        for n in [1usize, 3, 8, 33] {
+            let rows: Vec<Row> = (0..n)
+                .map(|r| {
+                    let mut one = row("T1 no cuts", vocab, limit, r, 9000 + r as u64 + 100 * n as u64);
+                    one.params = params(0.0, 0, 1.0, 0.0);
+                    one.top_logprobs = None;
+                    match r % 5 {
+                        1 => one.logits.iter_mut().step_by(3).for_each(|l| *l = f32::NAN),
+                        2 => one.logits.iter_mut().for_each(|l| *l = (*l * 0.5).round()), // many ties at the top
+                        3 => {
+                            // zeros everywhere, -0 first: the lowest id holding the largest value (-0 counts as +0)
+                            one.logits.iter_mut().for_each(|l| *l = 0.0);
+                            one.logits[..7].iter_mut().for_each(|l| *l = -0.0);
+                        }
+                        4 if r % 2 == 0 => one.logits.iter_mut().for_each(|l| *l = f32::NEG_INFINITY),
+                        _ => {}
+                    }
+                    one
+                })
+                .collect();
+            let greedy = run(&g, &rows, &batch_of(&rows, vocab));
+            tally.check(&format!("greedy vocab {vocab} n {n}"), &rows, &batch_of(&rows, vocab), &greedy);
+            let mut with_sampled = rows;
+            let mut other = row("T1 no cuts", vocab, limit, 1, 77);
+            other.top_logprobs = None;
+            with_sampled.push(other);
+            let block = run(&g, &with_sampled, &batch_of(&with_sampled, vocab));
+            for (r, (a, b)) in greedy.iter().zip(&block).enumerate() {
+                assert_eq!((a.token, a.status), (b.token, b.status), "vocab {vocab} n {n} row {r}: grid vs block path");
+                same += 1;
+            }
+        }
+    }
+    tally.finish("greedy rows over the grid");
+    println!("greedy rows: {same} ids equal to sample_rows' own");
+}

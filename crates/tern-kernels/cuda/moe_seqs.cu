@@ -322,6 +322,23 @@ __device__ __forceinline__ void apply_mma(const MmaFrag<W>& f, const uint4 (&x)[
     kblock_sum(cb, cb2, xsm, s0, s1, c0, c1, tot);
 }
 
+// One item's k-block applied to every token group of the staged activations (stage_mma's layout, TGS slots, NT groups
+// of 8): the fragments f dequantised once (frag_mma), tot(t) (+)= group t's sums (apply_mma). The ring kernels'
+// items (rows_ring with NT > 1) and dense_tma's units. Slots of tokens past the count hold stale values: their sums
+// are never stored.
+template <int NT, int TGS, typename Tot>
+__device__ __forceinline__ void apply_groups(const MmaFrag<2>& f, const uint4* xs, const float* xsum, int kb, int lane,
+                                             float s0, float s1, float c0, float c1, Tot tot) {
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        uint4 x[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) x[i] = xs[(kb * 2 + i) * (4 * TGS) + 32 * t + lane];
+        const float2 xsm = *reinterpret_cast<const float2*>(xsum + kb * TGS + 8 * t + 2 * (lane & 3));
+        apply_mma<2>(f, x, xsm, s0, s1, c0, c1, tot(t));
+    }
+}
+
 // One item's k-block on tensor cores, shared by rows_mma and rows_ring: tot (+)= s (C - 128 X) + b X for rows g, g + 8
 // (tot[0..1] and [2..3]) and the lane's tokens 2c, 2c + 1, where C = sum (128 + q) x over the k-block's W words of each
 // row (w0s: row g, w1s: row g + 8; x the staged activations of those words), X = xsm (the tokens' sums), s0 / s1
@@ -782,16 +799,8 @@ __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, 
                         const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
                         MmaFrag<2> fr;
                         frag_mma<2>(w0s, w1s, mask, hi, fr);
-#pragma unroll
-                        for (int t = 0; t < NT; t++) {
-                            // slots of tokens past nt hold stale values: their sums are never stored
-                            uint4 x[2];
-#pragma unroll
-                            for (int i = 0; i < 2; i++) x[i] = xs[(kb * 2 + i) * (4 * TGS) + 32 * t + lane];
-                            const float2 xsm = *reinterpret_cast<const float2*>(xsum + kb * TGS + 8 * t + 2 * q4);
-                            apply_mma<2>(fr, x, xsm, half(sv[r][0]), half(sv[r][1]), half(bv[r][0]), half(bv[r][1]),
-                                         tot[t][r]);
-                        }
+                        apply_groups<NT, TGS>(fr, xs, xsum, kb, lane, half(sv[r][0]), half(sv[r][1]), half(bv[r][0]),
+                                              half(bv[r][1]), [&](int t) -> float(&)[4] { return tot[t][r]; });
                     }
                 }
             }
@@ -899,13 +908,14 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
         rows_ring<TGS>(
             item, SETS, n / 256, 128, 1024, 8, 64, nt, xs, xsum, ring,
             [&](auto first) {
-                if (g0 == 0) {
+                if (g0 == 0) {  // the first pass's first weights before the wait, later passes' behind their loads
                     first();
                     pdl_wait();
-                    stage_mma<2, TGS>(act, ld, [&](int t) { return p0 + g0 + t; }, nt, n, xs, xsum, [] {});
-                } else {
-                    stage_mma<2, TGS>(act, ld, [&](int t) { return p0 + g0 + t; }, nt, n, xs, xsum, first);
                 }
+                // one inlined copy of the staging (two made the kernel 41 KB of code where it was 29)
+                stage_mma<2, TGS>(act, ld, [&](int t) { return p0 + g0 + t; }, nt, n, xs, xsum, [&] {
+                    if (g0 > 0) first();
+                });
                 trace_mark(0);
             },
             [&](int it, float(&tot)[1][RING_R][4]) {
@@ -1127,15 +1137,8 @@ __device__ __forceinline__ void dense_tma(const uint32_t* __restrict__ w, const 
                 const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
                 MmaFrag<2> fr;
                 frag_mma<2>(w0s, w1s, mask, hi, fr);
-#pragma unroll
-                for (int t = 0; t < NT; t++) {
-                    // slots of tokens past n hold stale values: their sums are never stored
-                    uint4 xv[2];
-#pragma unroll
-                    for (int q = 0; q < 2; q++) xv[q] = xs[(kb * 2 + q) * (4 * TGS) + 32 * t + lane];
-                    const float2 xsm = *reinterpret_cast<const float2*>(xsum + kb * TGS + 8 * t + 2 * c);
-                    apply_mma<2>(fr, xv, xsm, half(sv0), half(sv1), half(bv0), half(bv1), tot[t]);
-                }
+                apply_groups<NT, TGS>(fr, xs, xsum, kb, lane, half(sv0), half(sv1), half(bv0), half(bv1),
+                                      [&](int t) -> float(&)[4] { return tot[t]; });
             }
         }
         // tot[t][v]: row g + 8 (v >> 1), token 8 t + 2 c + (v & 1)
