@@ -347,12 +347,12 @@ impl Gpu {
         let ld = vocab as i64;
         let base = sc.words.device_ptr(&self.stream).0;
         let [pens, biases, masks] = [pens, biases, masks].map(|w| base + 4 * w as u64);
-        if plain_greedy(&batch.rows) {
+        if plain_greedy(&batch.rows) && b <= 65_535 {
             self.stream.memset_zeros(&mut sc.keys.slice_mut(..b))?;
             let split = (2 * self.sms as usize / b).clamp(1, 64) as u32;
             let mut l = self.launcher(&self.f.argmax_rows);
             l.arg(&*logits).arg(&ld).arg(&base).arg(&sc.keys);
-            // SAFETY: matches argmax_rows in sample.cu: grid (split, b), row b reads logits[b*vocab .. b*vocab +
+            // SAFETY: matches argmax_rows in sample.cu: grid (split, b <= 65,535, the grid's y limit), row b reads logits[b*vocab .. b*vocab +
             // limit] (limit <= vocab, SampleBatch::push; inside the length checked above) and adds its maximum into
             // keys[b] (b <= the keys' length, grown with the outputs above; zeroed just before).
             unsafe { l.launch(cfg((split, b as u32), 256, 0)) }?;
