@@ -609,7 +609,8 @@ impl Gpu {
             None => l.arg(&NULL),
         };
         // SAFETY: matches moe_combine_norm_j{8,16} (prefill.cu): one block of 256 threads a row, 8 or 16 columns a
-        // thread (h <= 2048 or 4096), k + 1 <= COMBINE_SLOTS (checked); pos entries < n*(k+1) rows of ybuf (moe_align over n, k); buffers checked.
+        // thread (h <= 2048 or 4096), k + 1 <= COMBINE_SLOTS (checked); pos entries < n*(k+1) rows of ybuf
+        // (moe_align over n, k); buffers checked.
         unsafe { l.launch(cfg((n as u32, 1), 256, 0)) }?;
         Ok(())
     }
