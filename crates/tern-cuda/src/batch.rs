@@ -717,12 +717,11 @@ impl Gpu {
         Ok(())
     }
 
-    /// The batched step's lm_head: [`Gpu::dense_seqs`], or above 32 rows of a vocabulary-sized matrix the prefill's
-    /// [`Gpu::gemm_q4`] (weights dequantised once per 128-token tile, rounded to bf16), where dense_seqs' 8-row tiles
-    /// dequantise every weight n / 8 times. Measured on the H200 (tern bench): alone, us at n = 32 / 64, 428 / 840
-    /// against 429 / 446; in the step (graph A/B) B = 48 / 64 12.77 / 15.16 -> 12.56 / 14.75 ms. The projections stay
-    /// with dense_seqs: with in_proj and q|k|v through the GEMM too (alone 43 against 36 us at 64), the step at B = 48
-    /// was 2% slower (12.79 -> 13.06 ms) and at 64 only 1% faster.
+    /// The batched step's lm_head: [`Gpu::dense_seqs`] (above 16 rows its bulk-copy kernel in passes of 32 rows:
+    /// alone on the H200, 221.6 / 441.3 us at 32 / 64 rows), or with [`Gpu::dense_gemm`] set (`TERN_DENSE_GEMM=1`),
+    /// above 32 rows of a vocabulary-sized matrix the prefill's [`Gpu::gemm_q4`] (weights dequantised once per
+    /// 128-token tile, rounded to bf16: 453.0 us at 64), which was the default while dense_seqs' 8-row tiles
+    /// dequantised every weight n / 8 times (840 us at 64).
     pub fn lm_head_seqs(
         &self,
         m: &QMat,
@@ -860,10 +859,11 @@ impl Gpu {
         Ok(())
     }
 
-    /// [`Gpu::dense_seqs`] through moe_seqs.cu's `dense_tma_n{1,2}` with a ring of `slots` units: at most one block a
-    /// multiprocessor, each streaming a contiguous range of the matrix's 16-row units by bulk copies (the first `slots`
-    /// requested before the dependency wait) and dequantising each k-block once for all n tokens. Group size 64, rows
-    /// a multiple of 16, 2,048 or 4,096 columns, n <= 16 (checked).
+    /// [`Gpu::dense_seqs`] through moe_seqs.cu's `dense_tma_n{1,2,4}` with a ring of `slots` units: at most one block
+    /// a multiprocessor, each streaming a contiguous range of the matrix's 16-row units by bulk copies (the first
+    /// `slots` requested before the dependency wait) and dequantising each k-block once for all the tokens of a pass
+    /// ([`dense_tma_tgs`] tokens a pass: every token up to 16, above 32 a pass of 2,048 columns and 16 of 4,096). Group
+    /// size 64, rows a multiple of 16, 2,048 or 4,096 columns, n <= [`MAX_SEQS`] (checked).
     #[allow(clippy::too_many_arguments)]
     pub fn dense_tma(
         &self,
@@ -875,7 +875,7 @@ impl Gpu {
         add: bool,
         slots: usize,
     ) -> Result<()> {
-        ensure!((1..=16).contains(&n), "dense_tma: {n} rows (1..=16)");
+        ensure!((1..=MAX_SEQS).contains(&n), "dense_tma: {n} rows (1..={MAX_SEQS})");
         check_dense(m, x, n, y, ldy, "dense_tma")?;
         ensure!(
             dense_tma_shapes(m.rows, m.cols, m.gs),
@@ -885,7 +885,9 @@ impl Gpu {
             m.gs
         );
         ensure!((1..=DT_MAXS).contains(&slots), "dense_tma: {slots} ring slots (1..={DT_MAXS})");
-        let tgs = ring_token_slots(n);
+        let tgs = dense_tma_tgs(m.cols, n);
+        // stage_mma's division by the pass's token count is exact for cols / 64 k-blocks of up to 32 tokens
+        ensure!(m.cols * tgs <= 65536, "dense_tma: {} columns x {tgs} tokens a pass", m.cols);
         let smem = dense_tma_smem(m.cols, tgs, slots);
         ensure!(smem <= SMEM_MAX, "dense_tma: {smem} bytes of shared memory");
         let units = m.rows / 16;
@@ -894,12 +896,14 @@ impl Gpu {
         ensure!(units as u64 * grid as u64 <= u32::MAX as u64, "dense_tma: {} rows", m.rows);
         let f = match tgs {
             8 => &self.f.dense_tma_n1,
-            _ => &self.f.dense_tma_n2,
+            16 => &self.f.dense_tma_n2,
+            _ => &self.f.dense_tma_n4,
         };
         let (r, c, ni, ld, a, sl) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32, add as i32, slots as i32);
         let mut l = self.launcher(f);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(x).arg(&ni).arg(&*y).arg(&ld).arg(&a).arg(&sl);
-        // SAFETY: matches dense_tma_n{1,2} (moe_seqs.cu) for tgs = 8 NT token slots >= n; W is a whole 4-bit QMat
+        // SAFETY: matches dense_tma_n{1,2,4} (moe_seqs.cu) for tgs = 8 NT token slots a pass (cols tgs <= 65,536,
+        // checked), n <= MAX_SEQS rows in passes of tgs; W is a whole 4-bit QMat
         // (rows x cols/8 words, rows x cols/64 scales/biases: every unit's bulk copies inside them) with rows a
         // multiple of 16 and cols of 2048 (16-byte aligned, whole copies of codes, scales and biases; a multiple of
         // 4 k-blocks a warp); x holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); grid <=
@@ -1057,6 +1061,7 @@ fn dense_split(groups: usize, cols: usize, unit: usize, gunit: usize, sms: usize
 /// Warps of dense_tma's blocks (DT_WARPS in moe_seqs.cu) and the most ring slots it takes (DT_MAXS).
 const DT_WARPS: usize = 8;
 const DT_MAXS: usize = 8;
+
 /// Bytes of one dense_tma ring slot for `cols` columns: 16 rows of codes (cols / 2 bytes each), their scales and
 /// biases (cols / 32 bytes a row each), to 128 bytes.
 fn dense_tma_slot(cols: usize) -> usize {
@@ -1076,20 +1081,48 @@ fn dense_tma_shapes(rows: usize, cols: usize, gs: usize) -> bool {
     gs == 64 && rows >= 16 && rows % 16 == 0 && (cols == 2048 || cols == 4096)
 }
 
+/// Whether [`Gpu::dense_tma`] takes a `rows x cols` product (group size `gs`) at `n` tokens with `slots` ring slots:
+/// its shapes, 1..=[`MAX_SEQS`] tokens, 1..=DT_MAXS slots, and its shared memory within the limit.
+pub fn dense_tma_takes(rows: usize, cols: usize, gs: usize, n: usize, slots: usize) -> bool {
+    dense_tma_shapes(rows, cols, gs)
+        && (1..=MAX_SEQS).contains(&n)
+        && (1..=DT_MAXS).contains(&slots)
+        && dense_tma_smem(cols, dense_tma_tgs(cols, n), slots) <= SMEM_MAX
+}
+
 /// The ring slots dense_seqs gives dense_tma for a `rows x cols` product (group size `gs`) at `n` tokens on `sms`
-/// multiprocessors, or None where it keeps the ring kernel: shapes dense_tma does not take, more than
-/// [`DENSE_RING_X`] staged token-columns (out_proj / o_proj above 8 tokens), and matrices whose blocks would each
-/// stream more than [`DT_UNITS`] units (the lm_head). Two slots (one where a block has one unit): more kept the next
-/// kernel's blocks off the multiprocessor and were slower (in_proj at 8 tokens 8.1 us with 2, 9.0 with 4).
+/// multiprocessors, or None where it keeps the ring kernel or the register-streamed one. Up to 16 tokens: the shapes
+/// dense_tma takes, at most [`DENSE_RING_X`] staged token-columns (out_proj / o_proj above 8 tokens) and at most
+/// [`DT_UNITS`] units a block (not the lm_head). Two slots (one where a block has one unit): more kept the next
+/// kernel's blocks off the multiprocessor and were slower (in_proj at 8 tokens 8.1 us with 2, 9.0 with 4). Above 16
+/// tokens the 2,048-column matrices (in_proj, q|k|v and the lm_head, in passes of [`dense_tma_tgs`] tokens): measured
+/// alone on the H200 (docs/cuda-notes.md step 40), us at 32 / 64 tokens, in_proj 19.2 / 37.4 against the
+/// register-streamed kernel's 21.6 / 42.9, q|k|v 17.4 / 33.7 against 21.0 / 35.5, the lm_head 221.6 / 441.3 against
+/// 427.7 and the GEMM's 453.0; not out_proj and o_proj, whose 128 blocks would each stage every token's 4,096 columns
+/// for one unit (32 tokens 19.4 against the ring kernel's 12.4).
 pub fn dense_tma_slots(rows: usize, cols: usize, gs: usize, n: usize, sms: usize) -> Option<usize> {
-    if !dense_tma_shapes(rows, cols, gs) || !(1..=16).contains(&n) || sms == 0 {
+    if !dense_tma_shapes(rows, cols, gs) || !(1..=MAX_SEQS).contains(&n) || sms == 0 {
         return None;
     }
     let units = rows / 16;
     let per = units.div_ceil(units.min(sms));
-    let tgs = ring_token_slots(n);
+    let tgs = dense_tma_tgs(cols, n);
     let slots = per.min(2);
-    (cols * tgs <= DENSE_RING_X && per <= DT_UNITS && dense_tma_smem(cols, tgs, slots) <= SMEM_MAX).then_some(slots)
+    let takes = match n > 16 {
+        true => cols <= 2048,
+        false => cols * tgs <= DENSE_RING_X && per <= DT_UNITS,
+    };
+    (takes && dense_tma_smem(cols, tgs, slots) <= SMEM_MAX).then_some(slots)
+}
+
+/// Token slots of a dense_tma pass for `n` tokens of `cols` columns: up to 16 tokens, all of them (8 or 16); above,
+/// 32 a pass of 2,048 columns and 16 of 4,096 (128 KB of staged bf16 tokens, which leaves room for the ring).
+pub fn dense_tma_tgs(cols: usize, n: usize) -> usize {
+    match (n <= 16, cols <= 2048) {
+        (true, _) => ring_token_slots(n),
+        (false, true) => 32,
+        (false, false) => 16,
+    }
 }
 
 /// The most 16-row units a dense_tma block streams where dense_seqs takes it: the lm_head's 118 a block ran 111 us
@@ -1210,21 +1243,24 @@ mod tests {
     /// not take.
     #[test]
     fn dense_tma_slots_pick_the_dense_matrices() {
-        let slots = |rows, cols| [1, 8, 9, 16, 17].map(|n| dense_tma_slots(rows, cols, 64, n, 132));
-        // in_proj: 772 units, 6 a block; q|gate|k|v: 576, 5 a block
-        assert_eq!(slots(12352, 2048), [Some(2), Some(2), Some(2), Some(2), None]);
-        assert_eq!(slots(9216, 2048), [Some(2), Some(2), Some(2), Some(2), None]);
-        // out_proj / o_proj: 128 units, one a block (all of it requested before the dependency wait)
-        assert_eq!(slots(2048, 4096), [Some(1), Some(1), None, None, None]);
-        // the lm_head: 118 units a block
-        assert_eq!(slots(248320, 2048), [None; 5]);
-        for (rows, cols) in [(12352, 2048), (9216, 2048), (2048, 4096)] {
-            for n in 1..=16 {
+        let slots = |rows, cols| [1, 8, 9, 16, 17, 64].map(|n| dense_tma_slots(rows, cols, 64, n, 132));
+        // in_proj: 772 units, 6 a block; q|gate|k|v: 576, 5 a block; above 16 tokens in passes of 32
+        assert_eq!(slots(12352, 2048), [Some(2); 6]);
+        assert_eq!(slots(9216, 2048), [Some(2); 6]);
+        // out_proj / o_proj: 128 units, one a block (all of it requested before the dependency wait), up to 8 tokens
+        assert_eq!(slots(2048, 4096), [Some(1), Some(1), None, None, None, None]);
+        // the lm_head: 118 units a block, above 16 tokens in passes of 32
+        assert_eq!(slots(248320, 2048), [None, None, None, None, Some(2), Some(2)]);
+        for (rows, cols) in [(12352, 2048), (9216, 2048), (2048, 4096), (248320, 2048)] {
+            for n in 1..=MAX_SEQS {
                 if let Some(s) = dense_tma_slots(rows, cols, 64, n, 132) {
-                    assert!(dense_tma_smem(cols, ring_token_slots(n), s) <= SMEM_MAX, "{rows}x{cols} n {n}");
+                    let tgs = dense_tma_tgs(cols, n);
+                    assert!(dense_tma_smem(cols, tgs, s) <= SMEM_MAX && cols * tgs <= 65536, "{rows}x{cols} n {n}");
                 }
             }
         }
+        assert_eq!([1, 9, 16, 17, 64].map(|n| dense_tma_tgs(2048, n)), [8, 16, 16, 32, 32]);
+        assert_eq!([1, 9, 16, 17, 64].map(|n| dense_tma_tgs(4096, n)), [8, 16, 16, 16, 16]);
         // group size, rows, columns it does not take
         assert_eq!(dense_tma_slots(2048, 4096, 32, 8, 132), None);
         assert_eq!(dense_tma_slots(1000, 2048, 64, 8, 132), None);

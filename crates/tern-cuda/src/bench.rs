@@ -283,7 +283,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) 
     let tma_was = g.dense_tma.swap(false, std::sync::atomic::Ordering::Relaxed);
     println!("dense products, register-streamed -> ring (ms a step): {}", ab(&g.dense_ring, &[1, 8, 32, 64])?);
     g.dense_tma.store(tma_was, std::sync::atomic::Ordering::Relaxed);
-    println!("dense products, ring -> bulk copies (ms a step): {}", ab(&g.dense_tma, &[1, 2, 4, 8, 16])?);
+    println!("dense products, ring -> bulk copies (ms a step): {}", ab(&g.dense_tma, &[1, 2, 4, 8, 16, 32, 64])?);
     println!("top-k and align, two launches -> one (ms a step): {}", ab(&g.topk_align, &[1, 2, 4, 8])?);
     // per-kernel-family profiles of one step at 8 and 32 sequences, side by side
     let sizes: Vec<usize> = [8, 32].into_iter().filter(|&b| b <= bmax).collect();
@@ -445,7 +445,7 @@ fn dense_ab(m: &crate::model::DeviceModel) -> Result<()> {
     println!(
         "dense products alone (us a launch, 50 in a graph): dense_seqs (as the step takes it) / ring / \
          register-streamed / gemm_q4 at n = 1 / 8 / 16 / 32 / 64; then the ring kernel with its columns in 1 / 2 / 4 / \
-         8 ranges | the bulk-copy kernel (dense_tma) with 1 / 2 / 4 ring slots (- where it does not fit)"
+         8 ranges | the bulk-copy kernel (dense_tma) with 1 / 2 / 3 ring slots (- where it does not fit)"
     );
     let ring = |on: bool| g.dense_ring.store(on, std::sync::atomic::Ordering::Relaxed);
     let tma = |on: bool| g.dense_tma.store(on, std::sync::atomic::Ordering::Relaxed);
@@ -478,7 +478,7 @@ fn dense_ab(m: &crate::model::DeviceModel) -> Result<()> {
                 });
             }
             let mut t = Vec::new();
-            for sl in [1, 2, 4] {
+            for sl in [1, 2, 3] {
                 t.push(match g.dense_tma(q, &x, n, &mut y, q.rows, false, sl) {
                     Ok(()) => {
                         format!("{:.1}", graph_time(g, reps, &mut || g.dense_tma(q, &x, n, &mut y, q.rows, false, sl))?)

@@ -113,7 +113,7 @@ funcs! {
     router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs", topk_align_seqs: "moe_seqs",
     dense_seqs_w1_k1: "moe_seqs", dense_seqs_w2_k1: "moe_seqs", dense_seqs_w1_k4: "moe_seqs", dense_seqs_w2_k4: "moe_seqs",
     dense_ring_n1: "moe_seqs", dense_ring_n2: "moe_seqs", dense_ring_n4: "moe_seqs", dense_ring_n8: "moe_seqs",
-    dense_tma_n1: "moe_seqs", dense_tma_n2: "moe_seqs",
+    dense_tma_n1: "moe_seqs", dense_tma_n2: "moe_seqs", dense_tma_n4: "moe_seqs",
     embed_q4: "misc", argmax_partial: "misc", argmax_final: "misc", pdl_nop: "misc",
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
     // multi-token (prefill) kernels: see prefill.rs
@@ -300,7 +300,7 @@ pub struct Gpu {
     /// bench set it to compare the two.
     pub moe_ring: std::sync::atomic::AtomicBool,
     /// The batched step's lm_head at more than 32 rows through the 128-row GEMM (`Gpu::lm_head_seqs`;
-    /// `TERN_DENSE_GEMM=0` keeps dense_seqs): the bench A/Bs the two.
+    /// `TERN_DENSE_GEMM=1`; default off: dense_seqs' bulk-copy kernel, faster): the bench A/Bs the two.
     pub dense_gemm: std::sync::atomic::AtomicBool,
     /// dense_seqs takes the ring kernel where the shapes allow (moe_seqs.cu `dense_ring_n*`; default,
     /// `TERN_DENSE_RING=0` turns it off): the bench A/Bs the two.
@@ -436,7 +436,7 @@ impl Gpu {
             pdl,
             omit: std::sync::atomic::AtomicBool::new(false),
             moe_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_MOE_RING").map_or(true, |v| v != "0")),
-            dense_gemm: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_GEMM").map_or(true, |v| v != "0")),
+            dense_gemm: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_GEMM").is_ok_and(|v| v == "1")),
             dense_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_RING").map_or(true, |v| v != "0")),
             dense_tma: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_TMA").map_or(true, |v| v != "0")),
             topk_align: std::sync::atomic::AtomicBool::new(std::env::var("TERN_TOPK_ALIGN").map_or(true, |v| v != "0")),

@@ -73,6 +73,7 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.dense_ring_n8,
         &f.dense_tma_n1,
         &f.dense_tma_n2,
+        &f.dense_tma_n4,
         &f.gdn_step_seqs,
     ]
 }

@@ -131,12 +131,18 @@ fn gemm_q4_matches_cpu() {
                 ways.extend(
                     [1, 2, 4, 8].into_iter().filter(|&kz| fits(kz)).map(|kz| (format!("ring/{kz}"), Way::Ring(kz))),
                 );
-                if let Some(sl) = tern_cuda::batch::dense_tma_slots(rows, cols, gs, n, g.sms as usize) {
-                    // the slots dense_seqs picks, and one (a phase flip every unit)
-                    let mut slots = vec![1, sl];
-                    slots.dedup();
-                    ways.extend(slots.into_iter().map(|s| (format!("tma/{s}"), Way::Tma(s))));
-                }
+                // the slots dense_seqs picks, and one (a phase flip every unit); above 16 tokens (where dense_seqs
+                // takes it for the lm_head alone) one and two, in passes
+                let picked = tern_cuda::batch::dense_tma_slots(rows, cols, gs, n, g.sms as usize);
+                let mut slots = match (picked, n > 16) {
+                    (Some(sl), _) => vec![1, sl],
+                    (None, true) => vec![1, 2],
+                    (None, false) => vec![],
+                };
+                slots.dedup();
+                slots.retain(|&s| tern_cuda::batch::dense_tma_takes(rows, cols, gs, n, s));
+                ways.extend(slots.into_iter().map(|s| (format!("tma/{s}"), Way::Tma(s))));
+                let mut tma_bits: Option<Vec<f32>> = None;
                 for (what, way) in ways {
                     let run = |dy: &mut _, ldy: usize, add: bool| match way {
                         Way::Ring(kz) => g.dense_ring(&dm, &dx, n, dy, ldy, add, kz).unwrap(),
@@ -151,7 +157,14 @@ fn gemm_q4_matches_cpu() {
                     };
                     let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
                     run(&mut dy, rows, false);
-                    let e_store = rel2(&g.download(&dy).unwrap(), &exact);
+                    let stored = g.download(&dy).unwrap();
+                    let e_store = rel2(&stored, &exact);
+                    // dense_tma: the same bits for any ring slots and either staging
+                    if let Way::Tma(..) = way {
+                        let first = tma_bits.get_or_insert_with(|| stored.clone());
+                        let same = first.iter().zip(&stored).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "dense {what} {rows}x{cols} N={n}: other bits than the first dense_tma way");
+                    }
                     let mut dy = g.upload(&y0).unwrap();
                     run(&mut dy, ld, true);
                     let (diff, pad) = added(&g.download(&dy).unwrap());

@@ -127,10 +127,10 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ src, long ld, c
 // (a multiple of 32 W), into xs (the layout above; uint4 [cols / 8 * MM_TG], only the slots of tokens < nt
 // written) and xsum [cols / (32 W)][MM_TG]; every thread of the block calls it; ends with a barrier. The loads of
 // up to PER units per thread are issued together (one round trip for up to PER * blockDim units; a loop of one unit
-// per trip over all 8 token slots cost gate|up 183 against 170 us): 8 for bf16 rows (one 16-byte register load a
-// unit), 4 for f32 (two). `mid()` runs once, right after the first round's loads are issued (before they are
+// per trip over all 8 token slots cost gate|up 183 against 170 us): PERB (default 8) for bf16 rows (one 16-byte
+// register load a unit), 4 for f32 (two). `mid()` runs once, right after the first round's loads are issued (before they are
 // used): the ring kernels issue their first weight copies there, behind these loads rather than ahead of them.
-template <int W, int TGS = MM_TG, typename T, typename RowOf, typename Mid>
+template <int W, int TGS = MM_TG, int PERB = 8, typename T, typename RowOf, typename Mid>
 __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, RowOf row_of, int nt, int cols,
                                           uint4* xs, float* xsum, Mid mid) {
     // TGS token slots (MM_TG for rows_mma; the ring kernels stage 4 or 8)
@@ -142,7 +142,7 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, Ro
     // dense_ring's nt <= 64 with q < 1024; q < nt cols / (32 W) here): the runtime divisions were most of the
     // staging's instructions
     const unsigned magic = (65536u + nt - 1) / nt;
-    constexpr int PER = sizeof(T) == 4 ? 4 : 8;
+    constexpr int PER = sizeof(T) == 4 ? 4 : PERB;
     for (int u0 = 0; u0 < units; u0 += PER * blockDim.x) {  // uniform trip count: the shuffles see every lane
         // f32: two float4 of the unit's 8 columns; bf16: one uint4 (as raw words in va[k].x..w)
         float4 va[PER], vb[PER];
@@ -204,10 +204,10 @@ __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, Ro
     if (units == 0) mid();
     __syncthreads();
 }
-template <int W, int TGS = MM_TG, typename T, typename RowOf>
+template <int W, int TGS = MM_TG, int PERB = 8, typename T, typename RowOf>
 __device__ __forceinline__ void stage_mma(const T* __restrict__ src, long ld, RowOf row_of, int nt, int cols,
                                           uint4* xs, float* xsum) {
-    stage_mma<W, TGS>(src, ld, row_of, nt, cols, xs, xsum, [] {});
+    stage_mma<W, TGS, PERB>(src, ld, row_of, nt, cols, xs, xsum, [] {});
 }
 
 // A weight load: the read-only path with a 256-byte L2 prefetch (ld.global.nc.L2::256B). Measured on the H200 (one
@@ -1049,21 +1049,28 @@ DENSE_RING(2, 3)
 DENSE_RING(4, 2)
 DENSE_RING(8, 2)
 
-// dense_tma_n{NT}: y[t, r] (+)= W[r] . x[t] as dense_seqs (the contract at the top) for n <= 8 NT tokens, the weights
-// streamed through a block-wide ring as gemv_tma streams batch 1's: at most one block of DT_WARPS warps a
-// multiprocessor, each taking a contiguous range of the matrix's 16-row units (u0 .. u0 + my), a unit = 16 whole rows
-// with their scales and biases, one ring slot (S of them, each with an mbarrier). Thread 0 copies a unit with three
-// bulk copies (TMA: its codes, scales, biases, each one contiguous run); the first S units are requested before the
-// dependency wait (the weights are constants), the tokens staged after it (stage_mma, TGS = 8 NT slots). Warp w takes
-// the k-blocks [w nkw, (w + 1) nkw) (nkw = cols / 64 / DT_WARPS) of every unit, dequantising each k-block once for
-// all the token groups (frag_mma, apply_mma: the ring kernels' arithmetic), and leaves its 16 x TGS partial sums in
-// red[unit & 1][w] (token-major); one barrier a unit, after which thread 0 refills the unit's slot with unit i + S and
-// thread (token, row) adds the warps' partials in warp order and stores (or adds) y. Deterministic. The rows keep
-// their stride of cols / 2 bytes in a slot, so the 8-byte loads of rows g = 0..3 of an mma meet in the same banks
-// (4-way); measured on the H200 (docs/cuda-notes.md step 38), a bulk copy per row into padded rows (48 small copies a
-// unit from one thread) was 2-3x slower, and 16-byte cp.async from every thread into swizzled rows no faster.
+// dense_tma_n{NT}: y[t, r] (+)= W[r] . x[t] as dense_seqs (the contract at the top) for any n <= 64, in passes of up
+// to TGS = 8 NT tokens, the weights streamed through a block-wide ring as gemv_tma streams batch 1's: at most one
+// block of DT_WARPS warps a multiprocessor, each taking a contiguous range of the matrix's 16-row units (u0 .. u0 +
+// my), a unit = 16 whole rows with their scales and biases, one ring slot (S of them, each with an mbarrier). Thread 0
+// copies a unit with three bulk copies (TMA: its codes, scales, biases, each one contiguous run). The ring runs over
+// the block's items j = pass my + unit, so the next pass's first units are in flight while a pass ends; where the
+// block's units all fit in the ring (my <= S) they are copied once and every pass reads them again. The first S items
+// are requested before the dependency wait (the weights are constants); a pass's tokens are staged at its first item
+// (stage_mma). Warp w takes the k-blocks [w nkw, (w + 1) nkw) (nkw = cols / 64 / DT_WARPS) of every unit,
+// dequantising each k-block once for all the pass's token groups (frag_mma, apply_mma: the ring kernels' arithmetic),
+// and leaves its 16 x TGS partial sums in red[j & 1][w] (token-major); one barrier an item, after which thread 0
+// refills the item's slot with item j + S and thread (token, row) adds the warps' partials in warp order and stores
+// (or adds) y. Deterministic, and the same bits for any TGS and S (a token's sums do not depend on its pass). The rows
+// keep their stride of cols / 2 bytes in a slot, so the 8-byte loads of rows g = 0..3 of an mma meet in the same
+// banks (4-way); measured on the H200 (docs/cuda-notes.md step 38), a bulk copy per row into padded rows (48 small
+// copies a unit from one thread) was 2-3x slower, and 16-byte cp.async from every thread into swizzled rows no
+// faster. Also measured (step 40): warps that run ahead (no barrier within a pass; the last warp done with an item
+// refills its slot and adds the partials) were slower at every n (in_proj at 8 tokens 8.0 -> 12.1 us): one warp's
+// sum of the partials is on the next item's path where 256 threads' was short.
 // Requirements (host): group size 64, rows a multiple of 16, cols 2048 or 4096 (whole 16-byte scale rows, a multiple
-// of 4 k-blocks a warp), S <= DT_MAXS; shared memory dense_tma_smem(cols, TGS, S).
+// of 4 k-blocks a warp), cols TGS <= 65536 (stage_mma's division exact), S <= DT_MAXS; shared memory
+// dense_tma_smem(cols, TGS, S).
 #define DT_WARPS 8
 #define DT_MAXS 8
 template <int NT>
@@ -1080,6 +1087,8 @@ __device__ __forceinline__ void dense_tma(const uint32_t* __restrict__ w, const 
     const int units = rows / 16;
     const int u0 = (int)((unsigned)units * blockIdx.x / gridDim.x);
     const int my = (int)((unsigned)units * (blockIdx.x + 1) / gridDim.x) - u0;
+    const int passes = (n + TGS - 1) / TGS, items = passes * my;
+    const bool resident = my <= S;  // every unit stays in its slot for all the passes
     uint4* xs = reinterpret_cast<uint4*>(smem);
     float* xsum = reinterpret_cast<float*>(xs + cols / 8 * TGS);
     float* red = xsum + cols / 64 * TGS;  // [2][DT_WARPS][TGS tokens][16 rows]
@@ -1087,9 +1096,9 @@ __device__ __forceinline__ void dense_tma(const uint32_t* __restrict__ w, const 
     const unsigned char* wb = reinterpret_cast<const unsigned char*>(w);
     const unsigned char* sb = reinterpret_cast<const unsigned char*>(s);
     const unsigned char* bb = reinterpret_cast<const unsigned char*>(b);
-    auto issue = [&](int i, int slot) {  // thread 0: unit u0 + i into `slot`
+    auto issue = [&](int j, int slot) {  // thread 0: the unit of item j into `slot`
         unsigned char* d = ring + slot * slot_bytes;
-        const long r0 = (long)(u0 + i) * 16;
+        const long r0 = (long)(u0 + j % my) * 16;
         mbar_expect_tx(&full[slot], 16 * (rb + 2 * sbr));
         bulk_g2s(d, wb + r0 * rb, 16 * rb, &full[slot]);
         bulk_g2s(d + 16 * rb, sb + r0 * sbr, 16 * sbr, &full[slot]);
@@ -1100,69 +1109,78 @@ __device__ __forceinline__ void dense_tma(const uint32_t* __restrict__ w, const 
         for (int i = 0; i < S; i++) mbar_init(&full[i], 1);
         mbar_fence_init();
 #pragma unroll 1
-        for (int i = 0; i < min(S, my); i++) issue(i, i);  // the weights are constants: before the wait
+        for (int j = 0; j < min(S, resident ? my : items); j++) issue(j, j);  // constants: before the wait
     }
     __syncthreads();  // the barriers are initialised for every thread
     pdl_wait();       // x (and y when adding) come from the previous kernels
-    stage_mma<2, TGS>(x, cols, [](int t) { return t; }, n, cols, xs, xsum);
-    trace_mark(0);
     uint32_t mask = 0x000F000Fu, hi = 0x43004300u;
     asm volatile("" : "+r"(mask), "+r"(hi));
     const int nkw = cols / 64 / DT_WARPS, kw0 = warp * nkw;
     int slot = 0;
     uint32_t phase = 0;
 #pragma unroll 1
-    for (int i = 0; i < my; i++) {
-        mbar_wait(&full[slot], phase);
-        if (i == 0) trace_mark(1);
-        const unsigned char* d = ring + slot * slot_bytes;
-        float tot[NT][4];
-#pragma unroll
-        for (int t = 0; t < NT; t++) tot[t][0] = tot[t][1] = tot[t][2] = tot[t][3] = 0.f;
+    for (int p = 0; p < passes; p++) {
+        const int t0 = p * TGS, nt = min(TGS, n - t0);
+        // the pass's tokens (every warp is past the last pass's reads of xs: the barrier at its last item)
+        // (32 tokens: 16 loads a thread a round, two rounds; 8 took four)
+        stage_mma<2, TGS, NT >= 4 ? 16 : 8>(x + (long)t0 * cols, cols, [](int t) { return t; }, nt, cols, xs, xsum);
+        if (p == 0) trace_mark(0);
 #pragma unroll 1
-        for (int kq = 0; kq < nkw; kq += 4) {
-            // the 4 groups' scales and biases of rows g and g + 8 (bf16 pairs: groups 0 1 | 2 3)
-            const unsigned char* sp = d + 16 * rb + (kw0 + kq) * 2;
-            const uint2 sv0 = lds64(sp + g * sbr), sv1 = lds64(sp + (g + 8) * sbr);
-            const uint2 bv0 = lds64(sp + 16 * sbr + g * sbr), bv1 = lds64(sp + 16 * sbr + (g + 8) * sbr);
+        for (int i = 0; i < my; i++) {
+            const int j = p * my + i;
+            if (resident) slot = i;
+            if (!resident || p == 0) mbar_wait(&full[slot], phase);
+            if (j == 0) trace_mark(1);
+            const unsigned char* d = ring + slot * slot_bytes;
+            float tot[NT][4];
 #pragma unroll
-            for (int kbl = 0; kbl < 4; kbl++) {
-                const int kb = kw0 + kq + kbl;
-                auto half = [&](const uint2& v) {
-                    const uint32_t p = kbl < 2 ? v.x : v.y;
-                    return __uint_as_float((kbl & 1) ? p & 0xffff0000u : p << 16);
-                };
-                // the lane's 8 bytes of the k-block in rows g and g + 8
-                const uint2 wl = lds64(d + g * rb + kb * 32 + c * 8), wh = lds64(d + (g + 8) * rb + kb * 32 + c * 8);
-                const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
-                MmaFrag<2> fr;
-                frag_mma<2>(w0s, w1s, mask, hi, fr);
-                apply_groups<NT, TGS>(fr, xs, xsum, kb, lane, half(sv0), half(sv1), half(bv0), half(bv1),
-                                      [&](int t) -> float(&)[4] { return tot[t]; });
+            for (int t = 0; t < NT; t++) tot[t][0] = tot[t][1] = tot[t][2] = tot[t][3] = 0.f;
+#pragma unroll 1
+            for (int kq = 0; kq < nkw; kq += 4) {
+                // the 4 groups' scales and biases of rows g and g + 8 (bf16 pairs: groups 0 1 | 2 3)
+                const unsigned char* sp = d + 16 * rb + (kw0 + kq) * 2;
+                const uint2 sv0 = lds64(sp + g * sbr), sv1 = lds64(sp + (g + 8) * sbr);
+                const uint2 bv0 = lds64(sp + 16 * sbr + g * sbr), bv1 = lds64(sp + 16 * sbr + (g + 8) * sbr);
+#pragma unroll
+                for (int kbl = 0; kbl < 4; kbl++) {
+                    const int kb = kw0 + kq + kbl;
+                    auto half = [&](const uint2& v) {
+                        const uint32_t pv = kbl < 2 ? v.x : v.y;
+                        return __uint_as_float((kbl & 1) ? pv & 0xffff0000u : pv << 16);
+                    };
+                    // the lane's 8 bytes of the k-block in rows g and g + 8
+                    const uint2 wl = lds64(d + g * rb + kb * 32 + c * 8);
+                    const uint2 wh = lds64(d + (g + 8) * rb + kb * 32 + c * 8);
+                    const uint32_t w0s[2] = {wl.x, wl.y}, w1s[2] = {wh.x, wh.y};
+                    MmaFrag<2> fr;
+                    frag_mma<2>(w0s, w1s, mask, hi, fr);
+                    apply_groups<NT, TGS>(fr, xs, xsum, kb, lane, half(sv0), half(sv1), half(bv0), half(bv1),
+                                          [&](int t) -> float(&)[4] { return tot[t]; });
+                }
             }
-        }
-        // tot[t][v]: row g + 8 (v >> 1), token 8 t + 2 c + (v & 1)
-        float* rw = red + ((i & 1) * DT_WARPS + warp) * 16 * TGS;
+            // tot[t][v]: row g + 8 (v >> 1), token 8 t + 2 c + (v & 1)
+            float* rw = red + ((j & 1) * DT_WARPS + warp) * 16 * TGS;
 #pragma unroll
-        for (int t = 0; t < NT; t++)
+            for (int t = 0; t < NT; t++)
 #pragma unroll
-            for (int v = 0; v < 4; v++) rw[(8 * t + 2 * c + (v & 1)) * 16 + g + 8 * (v >> 1)] = tot[t][v];
-        __syncthreads();  // every warp is done with the slot and has left its partial sums
-        if (tid == 0 && i + S < my) {
-            fence_proxy_async();
-            issue(i + S, slot);
-        }
-        const float* rr = red + (i & 1) * DT_WARPS * 16 * TGS;
-        for (int o = tid; o < 16 * n; o += blockDim.x) {
-            float v = 0.f;
+                for (int v = 0; v < 4; v++) rw[(8 * t + 2 * c + (v & 1)) * 16 + g + 8 * (v >> 1)] = tot[t][v];
+            __syncthreads();  // every warp is done with the slot (and with xs) and has left its partial sums
+            if (tid == 0 && !resident && j + S < items) {
+                fence_proxy_async();
+                issue(j + S, slot);
+            }
+            const float* rr = red + (j & 1) * DT_WARPS * 16 * TGS;
+            for (int o = tid; o < 16 * nt; o += blockDim.x) {
+                float v = 0.f;
 #pragma unroll
-            for (int q = 0; q < DT_WARPS; q++) v += rr[q * 16 * TGS + o];
-            float* dst = y + (long)(o >> 4) * ldy + (u0 + i) * 16 + (o & 15);
-            *dst = add ? *dst + v : v;
-        }
-        if (++slot == S) {
-            slot = 0;
-            phase ^= 1u;
+                for (int q = 0; q < DT_WARPS; q++) v += rr[q * 16 * TGS + o];
+                float* dst = y + (long)(t0 + (o >> 4)) * ldy + (u0 + i) * 16 + (o & 15);
+                *dst = add ? *dst + v : v;
+            }
+            if (!resident && ++slot == S) {
+                slot = 0;
+                phase ^= 1u;
+            }
         }
     }
 }
@@ -1176,6 +1194,7 @@ __device__ __forceinline__ void dense_tma(const uint32_t* __restrict__ w, const 
     }
 DENSE_TMA(1)
 DENSE_TMA(2)
+DENSE_TMA(4)
 
 // dense_seqs_w{W}_k{KS}: see the contract at the top. Block: 4 warps over 128 / KS rows; warp w takes the k-blocks of
 // split w % KS (KS contiguous ranges, each a whole number of groups) for 2 items of 16 rows at (w / KS) 32; the splits'

@@ -582,9 +582,9 @@ __device__ __forceinline__ void grid_each(const float* x, int n, F f) {
     }
 }
 
-extern "C" __global__ void sample_pre_max(float* __restrict__ x, int n, SamplePre* __restrict__ pre) {
-    KTRACE(51);
-    pdl_wait();
+// Step 1's argmax over this warp's share of a grid-wide pass over x[0, n) (grid_each): the largest comp_key(v + 0, i),
+// -0 as +0 and NaN as -inf (written back: the rows are scratch), in every lane; 0 where the share is empty.
+__device__ __forceinline__ unsigned long long warp_max_key(float* x, int n) {
     unsigned long long am = 0;
     grid_each(x, n, [&](int i, float v) {
         if (v != v) {
@@ -595,6 +595,13 @@ extern "C" __global__ void sample_pre_max(float* __restrict__ x, int n, SamplePr
     });
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) am = max(am, __shfl_xor_sync(FULL_MASK, am, o));
+    return am;
+}
+
+extern "C" __global__ void sample_pre_max(float* __restrict__ x, int n, SamplePre* __restrict__ pre) {
+    KTRACE(51);
+    pdl_wait();
+    const unsigned long long am = warp_max_key(x, n);
     if ((threadIdx.x & 31) == 0) atomicMax(&pre->am, am);
 }
 
@@ -638,38 +645,17 @@ extern "C" __global__ void sample_pre_gather(const float* __restrict__ x, int n,
 }
 
 // ---- argmax_rows: a batch of plain greedy rows (temperature <= 0; no mask, bias, penalty or log-probabilities) ----
-// keys[b] = the largest comp_key(v + 0, i) over row b's first rows[b].limit logits, NaN as -inf: step 6's argmax of
-// sample_rows (largest logit, -0 as +0, the lowest id on ties; all -inf: id 0), its token ~(uint32)keys[b]. Grid
-// (G, B): G blocks split each row (grid-stride over float4 units when the row is 16-byte aligned); one u64 atomicMax a
-// warp into keys, zeroed before (a max: the same result in any order). The rows are not written. sample_rows walks a
-// row with one block (33 us a step at every B on the H200, 213 KB of code); this is two small launches' worth.
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, long long ld,
-                                       const SampleRow* __restrict__ rows, unsigned long long* __restrict__ keys) {
+// keys[b] = the largest comp_key(v + 0, i) over row b's first rows[b].limit logits, NaN as -inf (written back, as
+// sample_rows' step 1 does): step 6's argmax of sample_rows (largest logit, -0 as +0, the lowest id on ties; all -inf:
+// id 0), its token ~(uint32)keys[b]. Grid (G, B): G blocks split each row (warp_max_key, sample_pre_max's pass); one
+// u64 atomicMax a warp into keys, zeroed before (a max: the same result in any order). sample_rows walks a row with
+// one block (33 us a step at every B on the H200, 213 KB of code); this is two small launches' worth.
+extern "C" __global__ void argmax_rows(float* __restrict__ logits, long long ld, const SampleRow* __restrict__ rows,
+                                       unsigned long long* __restrict__ keys) {
     KTRACE(54);
     pdl_wait();
-    const int b = blockIdx.y, n = (int)rows[b].limit;
-    const float* x = logits + (size_t)b * (size_t)ld;
-    unsigned long long am = 0;
-    auto take = [&](float v, int i) {
-        if (v != v) v = -INFINITY;
-        am = max(am, comp_key(__fadd_rn(v, 0.f), i));
-    };
-    const int step = gridDim.x * blockDim.x, t0 = blockIdx.x * blockDim.x + threadIdx.x;
-    if ((reinterpret_cast<uintptr_t>(x) & 15) == 0) {
-        const int nu = n >> 2;
-        for (int u = t0; u < nu; u += step) {
-            const float4 v = reinterpret_cast<const float4*>(x)[u];
-            take(v.x, 4 * u);
-            take(v.y, 4 * u + 1);
-            take(v.z, 4 * u + 2);
-            take(v.w, 4 * u + 3);
-        }
-        for (int i = 4 * nu + t0; i < n; i += step) take(x[i], i);
-    } else {
-        for (int i = t0; i < n; i += step) take(x[i], i);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) am = max(am, __shfl_xor_sync(FULL_MASK, am, o));
+    const int b = blockIdx.y;
+    const unsigned long long am = warp_max_key(logits + (size_t)b * (size_t)ld, (int)rows[b].limit);
     if ((threadIdx.x & 31) == 0 && am) atomicMax(&keys[b], am);
 }
 
