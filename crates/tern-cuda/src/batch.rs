@@ -718,9 +718,9 @@ impl Gpu {
     }
 
     /// The batched step's lm_head: [`Gpu::dense_seqs`] (above 16 rows its bulk-copy kernel in passes of 32 rows:
-    /// alone on the H200, 221.6 / 441.3 us at 32 / 64 rows), or with [`Gpu::dense_gemm`] set (`TERN_DENSE_GEMM=1`),
+    /// alone on the H200, 211.3 / 421.1 us at 32 / 64 rows), or with [`Gpu::dense_gemm`] set (`TERN_DENSE_GEMM=1`),
     /// above 32 rows of a vocabulary-sized matrix the prefill's [`Gpu::gemm_q4`] (weights dequantised once per
-    /// 128-token tile, rounded to bf16: 453.0 us at 64), which was the default while dense_seqs' 8-row tiles
+    /// 128-token tile, rounded to bf16: 452.4 us at 64), which was the default while dense_seqs' 8-row tiles
     /// dequantised every weight n / 8 times (840 us at 64).
     pub fn lm_head_seqs(
         &self,
@@ -862,7 +862,7 @@ impl Gpu {
     /// [`Gpu::dense_seqs`] through moe_seqs.cu's `dense_tma_n{1,2,4}` with a ring of `slots` units: at most one block
     /// a multiprocessor, each streaming a contiguous range of the matrix's 16-row units by bulk copies (the first
     /// `slots` requested before the dependency wait) and dequantising each k-block once for all the tokens of a pass
-    /// ([`dense_tma_tgs`] tokens a pass: every token up to 16, above 32 a pass of 2,048 columns and 16 of 4,096). Group
+    /// ([`dense_tma_tgs`] tokens a pass: every token up to 16; above, 32 a pass of 2,048 columns and 16 of 4,096). Group
     /// size 64, rows a multiple of 16, 2,048 or 4,096 columns, n <= [`MAX_SEQS`] (checked).
     #[allow(clippy::too_many_arguments)]
     pub fn dense_tma(
@@ -1096,9 +1096,9 @@ pub fn dense_tma_takes(rows: usize, cols: usize, gs: usize, n: usize, slots: usi
 /// [`DT_UNITS`] units a block (not the lm_head). Two slots (one where a block has one unit): more kept the next
 /// kernel's blocks off the multiprocessor and were slower (in_proj at 8 tokens 8.1 us with 2, 9.0 with 4). Above 16
 /// tokens the 2,048-column matrices (in_proj, q|k|v and the lm_head, in passes of [`dense_tma_tgs`] tokens): measured
-/// alone on the H200 (docs/cuda-notes.md step 40), us at 32 / 64 tokens, in_proj 19.2 / 37.4 against the
-/// register-streamed kernel's 21.6 / 42.9, q|k|v 17.4 / 33.7 against 21.0 / 35.5, the lm_head 221.6 / 441.3 against
-/// 427.7 and the GEMM's 453.0; not out_proj and o_proj, whose 128 blocks would each stage every token's 4,096 columns
+/// alone on the H200 (docs/cuda-notes.md step 40), us at 32 / 64 tokens, in_proj 18.2 / 35.1 against the
+/// register-streamed kernel's 21.6 / 43.0, q|k|v 16.3 / 31.4 against 21.0 / 35.4, the lm_head 211.3 / 421.1 against
+/// 427.9 and the GEMM's 452.4; not out_proj and o_proj, whose 128 blocks would each stage every token's 4,096 columns
 /// for one unit (32 tokens 19.4 against the ring kernel's 12.4).
 pub fn dense_tma_slots(rows: usize, cols: usize, gs: usize, n: usize, sms: usize) -> Option<usize> {
     if !dense_tma_shapes(rows, cols, gs) || !(1..=MAX_SEQS).contains(&n) || sms == 0 {

@@ -354,8 +354,8 @@ impl Gpu {
             l.arg(&*logits).arg(&ld).arg(&base).arg(&sc.keys);
             // SAFETY: matches argmax_rows in sample.cu: grid (split, b <= 65,535, the grid's y limit), row b reads
             // logits[b*vocab .. b*vocab + limit] (limit <= vocab, SampleBatch::push; inside the length checked above;
-            // NaNs there become -inf: the rows are scratch, held mutably) and adds its maximum into keys[b] (b <= the keys' length, grown with the outputs above; zeroed just
-            // before).
+            // NaNs there become -inf: the rows are scratch, held mutably) and adds its maximum into keys[b] (b <= the
+            // keys' length, grown with the outputs above; zeroed just before).
             unsafe { l.launch(cfg((split, b as u32), 256, 0)) }?;
             let keys = self.stream.clone_dtoh(&sc.keys.slice(..b))?;
             let out = |k: &u64| SampleOut {

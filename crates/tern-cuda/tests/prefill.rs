@@ -131,8 +131,8 @@ fn gemm_q4_matches_cpu() {
                 ways.extend(
                     [1, 2, 4, 8].into_iter().filter(|&kz| fits(kz)).map(|kz| (format!("ring/{kz}"), Way::Ring(kz))),
                 );
-                // the slots dense_seqs picks, and one (a phase flip every unit); above 16 tokens (where dense_seqs
-                // takes it for the lm_head alone) one and two, in passes
+                // the slots dense_seqs picks, and one (a phase flip every unit); above 16 tokens, where dense_seqs
+                // takes it for 2,048 columns only, one and two on the other shapes too (passes of 16 at 4,096)
                 let picked = tern_cuda::batch::dense_tma_slots(rows, cols, gs, n, g.sms as usize);
                 let mut slots = match (picked, n > 16) {
                     (Some(sl), _) => vec![1, sl],
@@ -159,7 +159,7 @@ fn gemm_q4_matches_cpu() {
                     run(&mut dy, rows, false);
                     let stored = g.download(&dy).unwrap();
                     let e_store = rel2(&stored, &exact);
-                    // dense_tma: the same bits for any ring slots and either staging
+                    // dense_tma: the same bits for any ring slots
                     if let Way::Tma(..) = way {
                         let first = tma_bits.get_or_insert_with(|| stored.clone());
                         let same = first.iter().zip(&stored).all(|(a, b)| a.to_bits() == b.to_bits());
