@@ -444,9 +444,9 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
 // tokens staged, means over the layers): 14.8 -> 10.0 us; the median block's 7.0 -> 6.8.
 struct MoeTile {
     int e, p0, cnt, n;
-    uint4 rows[2];
+    uint4 lo, hi;  // pairs 0-7, 8-15 (two fields, not an array: a runtime index into one put it in local memory)
     __device__ int row(int i) const {  // the token of the tile's pair i < 16
-        const uint4& q = rows[i >> 3];
+        const uint4 q = i < 8 ? lo : hi;
         const int k = i & 7;
         const unsigned w = k < 4 ? (k < 2 ? q.x : q.y) : (k < 6 ? q.z : q.w);
         return (int)((w >> (16 * (k & 1))) & 0xffffu);
@@ -464,8 +464,8 @@ __device__ __forceinline__ bool moe_tile(const int* __restrict__ ntile, const in
     m.p0 = tiles[3 * t + 1];
     m.cnt = tiles[3 * t + 2];
     if (trows) {  // 32 bytes a tile (16 u16), one sector
-        m.rows[0] = trows[2 * t];
-        m.rows[1] = trows[2 * t + 1];
+        m.lo = trows[2 * t];
+        m.hi = trows[2 * t + 1];
     }
     if (t >= len) return false;
     m.n = m.e == E ? Is : I;
