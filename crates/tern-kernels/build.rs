@@ -37,6 +37,7 @@ fn main() {
             // nvcc is installed (e.g. into site-packages, which changes no tracked variable) a plain `cargo build`
             // compiles the kernels instead of keeping this empty set until `cargo clean`.
             println!("cargo:rerun-if-changed={}", out.join("nvcc-not-found-probe-again").display());
+            std::fs::write(out.join("ptxas-report.txt"), "").unwrap();
         }
         Some(nvcc) => {
             let mut flags: Vec<String> =
