@@ -15,31 +15,31 @@ pub fn available() -> bool {
     !CUBINS.is_empty()
 }
 
-/// ptxas' resource report of every kernel file (`-Xptxas -v`), as build.rs wrote it; empty without nvcc.
-pub const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas-report.txt"));
-
-/// Each kernel's (stack frame, spill stores) in bytes from [`PTXAS_REPORT`].
-pub fn frames() -> Vec<(&'static str, u32, u32)> {
-    let mut out = Vec::new();
-    let mut name = None;
-    for line in PTXAS_REPORT.lines() {
-        if let Some(i) = line.find("Function properties for ") {
-            name = Some(line[i + "Function properties for ".len()..].trim());
-        } else if let (Some(n), Some(i)) = (name, line.find(" bytes stack frame, ")) {
-            let num = |s: &str| s.trim().split(' ').next().and_then(|v| v.parse::<u32>().ok());
-            let stack = num(&line[..i]).or_else(|| line[..i].split_whitespace().last()?.parse().ok());
-            let spill = num(&line[i + " bytes stack frame, ".len()..]);
-            if let (Some(a), Some(b)) = (stack, spill) {
-                out.push((n, a, b));
-            }
-            name = None;
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
+    /// ptxas' resource report of every kernel file (`-Xptxas -v`), as build.rs wrote it; empty without nvcc.
+    const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas-report.txt"));
+
+    /// Each kernel's (stack frame, spill stores) in bytes from [`PTXAS_REPORT`]: its "Function properties for NAME"
+    /// line, then "N bytes stack frame, M bytes spill stores, ...".
+    fn frames() -> Vec<(&'static str, u32, u32)> {
+        let mut out = Vec::new();
+        let mut name = None;
+        for line in PTXAS_REPORT.lines() {
+            if let Some(i) = line.find("Function properties for ") {
+                name = Some(line[i + "Function properties for ".len()..].trim());
+            } else if let (Some(n), Some(i)) = (name, line.find(" bytes stack frame, ")) {
+                let stack = line[..i].split_whitespace().last().and_then(|v| v.parse().ok());
+                let spill = line[i + " bytes stack frame, ".len()..].split(' ').next().and_then(|v| v.parse().ok());
+                if let (Some(a), Some(b)) = (stack, spill) {
+                    out.push((n, a, b));
+                }
+                name = None;
+            }
+        }
+        out
+    }
+
     /// The kernels that have a stack frame or spill today, with those bytes; every other kernel must have neither.
     /// A runtime index into a small array, or a register limit too tight, moves values to local memory, which costs
     /// a kernel on the critical path several percent (a tile's tokens as `uint4 rows[2]` in moe_seqs.cu slowed the
@@ -62,7 +62,7 @@ mod tests {
             println!("SKIPPED: no_kernel_gains_local_memory: built without nvcc (no ptxas report)");
             return;
         }
-        let frames = super::frames();
+        let frames = frames();
         assert!(frames.len() >= 80, "only {} kernels in the ptxas report", frames.len());
         let mut over = Vec::new();
         for &(name, stack, spill) in &frames {
