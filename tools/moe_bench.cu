@@ -149,7 +149,7 @@ static Routing route(int n, int tile, unsigned seed) {
 
 struct DevRouting {
     int *rowmap, *tiles, *ntile;
-    uint4* trows;  // each tile's tokens, 16 u16 (moe_align's trows: two uint4 a tile)
+    uint4* trows;  // each tile's tokens, 8 u16 (moe_align's trows)
     int ntiles;
 };
 
@@ -161,10 +161,10 @@ static DevRouting upload(const Routing& r) {
     CK(cudaMemcpy(d.rowmap, r.rowmap.data(), r.rowmap.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d.tiles, r.tiles.data(), r.tiles.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d.ntile, &r.ntiles, 4, cudaMemcpyHostToDevice));
-    std::vector<unsigned> tr(8 * r.ntiles, 0u);
+    std::vector<unsigned> tr(4 * r.ntiles, 0u);
     for (int t = 0; t < r.ntiles; t++)
-        for (int i = 0; i < r.tiles[3 * t + 2] && i < 16; i++)
-            tr[8 * t + i / 2] |= (unsigned)r.rowmap[r.tiles[3 * t + 1] + i] << (16 * (i & 1));
+        for (int i = 0; i < r.tiles[3 * t + 2] && i < 8; i++)
+            tr[4 * t + i / 2] |= (unsigned)r.rowmap[r.tiles[3 * t + 1] + i] << (16 * (i & 1));
     CK(cudaMalloc(&d.trows, tr.size() * 4));
     CK(cudaMemcpy(d.trows, tr.data(), tr.size() * 4, cudaMemcpyHostToDevice));
     d.ntiles = r.ntiles;

@@ -702,7 +702,7 @@ impl Gpu {
             out.rowmap.len() >= n * (k + 1)
                 && out.pos.len() >= n * (k + 1)
                 && out.tiles.len() >= 3 * tiles
-                && out.trows.len() >= 8 * tiles,
+                && out.trows.len() >= 4 * tiles,
             "topk_align_seqs: outputs sized for fewer tokens"
         );
         let [e, ki, ni, bn] = [experts, k, n, tile].map(|v| v as i32);
@@ -940,15 +940,14 @@ impl Gpu {
         ensure!(xb.len() >= sorted.n * h && act.len() >= pairs * imax, "moe_gate_up_seqs: buffers");
         ensure!(gu.w.len() >= n_experts * gu.words + 2 * is * h / 8, "moe_gate_up_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_gate_up_seqs: align of another shape");
-        ensure!(sorted.tile <= 16, "moe_gate_up_seqs: tiles of {} pairs (at most 16: trows)", sorted.tile);
+        ensure!(sorted.tile <= 8, "moe_gate_up_seqs: tiles of {} pairs (at most 8: trows)", sorted.tile);
         // the ring kernels where the shapes allow (the same products bit for bit), else the register-streamed ones;
         // both take the same arguments
         // (the ring kernels read the tile-major copy)
         let tiled = gu.tiled.as_ref().filter(|_| self.ring_fits(gu.gs, &[h, i, is]));
-        let (f, smem) = match (tiled.is_some(), ring_slots(sorted.tile), w) {
-            (true, 4, _) => (&self.f.moe_gate_up_ring_t4, ring_smem(h, 4)),
-            (true, 8, _) => (&self.f.moe_gate_up_ring_t8, ring_smem(h, 8)),
-            (true, _, _) => (&self.f.moe_gate_up_ring_t16, ring_smem(h, 16)),
+        let (f, smem) = match (tiled.is_some(), sorted.tile <= 4, w) {
+            (true, true, _) => (&self.f.moe_gate_up_ring_t4, ring_smem(h, 4)),
+            (true, false, _) => (&self.f.moe_gate_up_ring_t8, ring_smem(h, 8)),
             (false, _, 2) => (&self.f.moe_gate_up_seqs_w2, mma_smem(h, w, h / gu.gs, 1)),
             (false, _, _) => (&self.f.moe_gate_up_seqs_w1, mma_smem(h, w, h / gu.gs, 1)),
         };
@@ -965,10 +964,10 @@ impl Gpu {
         l.arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]);
         l.arg(&glog).arg(xb).arg(&sorted.ntile).arg(&sorted.tiles).arg(&sorted.trows).arg(&*act).arg(&ld);
         let grid = (imax.div_ceil(MM_J) as u32, sorted.max_tiles as u32);
-        // SAFETY: matches moe_gate_up_seqs_w{1,2} and moe_gate_up_ring_t{4,8,16} (moe_seqs.cu; 64 j a block each); the
+        // SAFETY: matches moe_gate_up_seqs_w{1,2} and moe_gate_up_ring_t{4,8} (moe_seqs.cu; 64 j a block each); the
         // tiles come from moe_align over `sorted`'s n, k and experts: expert ids <= n_experts (the shared one last,
-        // inside the buffer, checked), pairs < n*(k+1) rows of act, the tiles' tokens (trows, 32 bytes a tile, which
-        // moe_align writes for tiles of <= 16 pairs, checked) < n rows of xb; every grid row's tile entry is inside the list's
+        // inside the buffer, checked), pairs < n*(k+1) rows of act, the tiles' tokens (trows, which moe_align
+        // writes for tiles of <= 8 pairs, checked) < n rows of xb; every grid row's tile entry is inside the list's
         // room (read before its length); H a multiple of 32 W and of the group size (so of 32 W), the inner sizes
         // multiples of 8 (an item past n clamps its rows); the ring kernels only for group size 64 and H, I, Is
         // multiples of 256 (ring_fits: whole 128-byte chunks of each row, 16-byte aligned rows, 8-byte aligned scale
@@ -1010,10 +1009,9 @@ impl Gpu {
         ensure!(down.w.len() >= n_experts * down.words + h * is / 8, "moe_down_seqs: expert buffer too short");
         ensure!(sorted.experts == n_experts && sorted.max_tiles > 0, "moe_down_seqs: align of another shape");
         let tiled = down.tiled.as_ref().filter(|_| self.ring_fits(down.gs, &[h, i, is]));
-        let (f, smem, rows) = match (tiled.is_some(), ring_slots(sorted.tile), w) {
-            (true, 4, _) => (&self.f.moe_down_ring_t4, ring_smem(imax, 4), RING_DOWN_ROWS),
-            (true, 8, _) => (&self.f.moe_down_ring_t8, ring_smem(imax, 8), RING_DOWN_ROWS),
-            (true, _, _) => (&self.f.moe_down_ring_t16, ring_smem(imax, 16), RING_DOWN_ROWS),
+        let (f, smem, rows) = match (tiled.is_some(), sorted.tile <= 4, w) {
+            (true, true, _) => (&self.f.moe_down_ring_t4, ring_smem(imax, 4), RING_DOWN_ROWS),
+            (true, false, _) => (&self.f.moe_down_ring_t8, ring_smem(imax, 8), RING_DOWN_ROWS),
             (false, _, 2) => (&self.f.moe_down_seqs_w2, mma_smem(imax, w, imax / down.gs, 1), MM_ROWS),
             (false, _, _) => (&self.f.moe_down_seqs_w1, mma_smem(imax, w, imax / down.gs, 1), MM_ROWS),
         };
@@ -1030,7 +1028,7 @@ impl Gpu {
         l.arg(&words).arg(&groups).arg(&v[0]).arg(&v[1]).arg(&v[2]);
         l.arg(&v[3]).arg(&glog).arg(act).arg(&ld).arg(&sorted.ntile).arg(&sorted.tiles).arg(&*ybuf);
         let grid = (h.div_ceil(rows) as u32, sorted.max_tiles as u32);
-        // SAFETY: matches moe_down_seqs_w{1,2} (128 rows a block) and moe_down_ring_t{4,8,16} (256) (moe_seqs.cu);
+        // SAFETY: matches moe_down_seqs_w{1,2} (128 rows a block) and moe_down_ring_t{4,8} (256) (moe_seqs.cu);
         // tiles from moe_align (see moe_gate_up_seqs; every grid row's entry inside the list's room): pairs < rows of
         // act and ybuf, expert ids inside the buffer;
         // each expert's inner size (I or Is) <= imax = act's row stride and a multiple of the group size (so of 32 W);
@@ -1196,16 +1194,6 @@ fn mma_scale_stride(ng: usize) -> usize {
 const RING_DOWN_ROWS: usize = 256;
 /// Bytes of one warp's ring in the ring kernels (RING_S stages of RING_SLOT) times RING_NW warps.
 const RING_BYTES: usize = 4 * 2 * (2 * (2048 + 256));
-
-/// Token slots of the ring kernel a tile of `tile` pairs takes: 4, 8 or 16 (moe_*_ring_t{4,8,16}; a tile of more
-/// pairs than slots takes several passes).
-fn ring_slots(tile: usize) -> usize {
-    match tile {
-        0..=4 => 4,
-        5..=8 => 8,
-        _ => 16,
-    }
-}
 
 /// Shared memory of the ring expert kernels for `cols` staged columns of `tgs` token slots (moe_seqs.cu
 /// `ring_base`): the bf16 tokens and their sums per 64-column k-block, to 128 bytes, then the warps' rings.

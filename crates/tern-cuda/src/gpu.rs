@@ -109,7 +109,6 @@ funcs! {
     attn_combine_seqs: "attention", moe_gate_up_seqs_w1: "moe_seqs", moe_gate_up_seqs_w2: "moe_seqs",
     moe_down_seqs_w1: "moe_seqs", moe_down_seqs_w2: "moe_seqs", moe_gate_up_ring_t4: "moe_seqs",
     moe_gate_up_ring_t8: "moe_seqs", moe_down_ring_t4: "moe_seqs", moe_down_ring_t8: "moe_seqs",
-    moe_gate_up_ring_t16: "moe_seqs", moe_down_ring_t16: "moe_seqs",
     experts_tile: "moe_seqs",
     router_seqs_q8: "moe_seqs", router_seqs_q4: "moe_seqs", topk_align_seqs: "moe_seqs",
     dense_seqs_w1_k1: "moe_seqs", dense_seqs_w2_k1: "moe_seqs", dense_seqs_w1_k4: "moe_seqs", dense_seqs_w2_k4: "moe_seqs",

@@ -63,8 +63,6 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.moe_gate_up_ring_t8,
         &f.moe_down_ring_t4,
         &f.moe_down_ring_t8,
-        &f.moe_gate_up_ring_t16,
-        &f.moe_down_ring_t16,
         &f.dense_seqs_w1_k1,
         &f.dense_seqs_w2_k1,
         &f.dense_seqs_w1_k4,
@@ -85,19 +83,10 @@ pub(crate) fn log2_exact(v: usize, what: &str) -> Result<i32> {
     Ok(v.trailing_zeros() as i32)
 }
 
-/// Pairs per tile of the streamed expert kernels in a prefill pass (moe_seqs.cu: MM_TG, the mma's n): one pass over a
-/// tile's tokens, so that an expert many tokens share (the shared expert holds every token) is spread over many blocks
-/// rather than looped over in one. Decode batches take tiles of [`STREAM_TILE_DECODE`], passes of at least
-/// [`STREAM_TILE_LONG_FROM`] tokens tiles of [`STREAM_TILE_LONG`] ([`stream_tile`]).
+/// Pairs per tile of the streamed expert kernels (moe_seqs.cu: MM_TG, the mma's n): one pass over a tile's tokens,
+/// so that an expert many tokens share (the shared expert holds every token) is spread over many blocks rather than
+/// looped over in one. Decode batches take tiles of [`STREAM_TILE_DECODE`] ([`stream_tile`]).
 pub const STREAM_TILE: usize = 8;
-/// Pairs per tile of the streamed expert kernels in a prefill pass of at least [`STREAM_TILE_LONG_FROM`] tokens (16-24
-/// pairs a routed expert): the ring kernels' 16 token slots (`moe_*_ring_t16`) dequantise each weight once for two mma
-/// n-tiles. Measured on the H200 (TTFT of one prompt, tiles of 8 / 16): 128 tokens 15.1 / 17.2 ms, 256 20.8 / 21.2,
-/// 512 34.6 / 33.8, 768 48.9 / 47.8; at 768 tokens down 6.87 -> 5.77 ms a pass, gate|up 15.35 -> 16.01 (its t16 runs
-/// two blocks a multiprocessor, 64 KB of staged tokens each, where t8 runs three).
-pub const STREAM_TILE_LONG: usize = 16;
-/// The shortest prefill pass that takes tiles of [`STREAM_TILE_LONG`].
-pub const STREAM_TILE_LONG_FROM: usize = 512;
 /// Pairs per tile of the streamed expert kernels in a pass of at most [`crate::batch::MAX_SEQS`] rows (a decode
 /// batch): most routed experts get 1-2 of its pairs, and the ring kernels' 4 token slots halve their staged
 /// activations (shared memory: 4 blocks a multiprocessor instead of 3). Measured on the H200 (tools/moe_bench.cu, the
@@ -105,19 +94,11 @@ pub const STREAM_TILE_LONG_FROM: usize = 512;
 /// of 8, down 15.2 / 34.9 / 46.1 against 15.5 / 35.1 / 44.6.
 pub const STREAM_TILE_DECODE: usize = 4;
 
-/// The streamed expert kernels' tile for a pass of `n` rows. `TERN_STREAM_TILE` (4, 8 or 16) sets every prefill
-/// pass's tile, for the bench's A/B.
+/// The streamed expert kernels' tile for a pass of `n` rows.
 pub fn stream_tile(n: usize) -> usize {
-    static TILE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = || {
-        let env = std::env::var("TERN_STREAM_TILE").ok().and_then(|v| v.parse().ok());
-        env.filter(|t| [4, 8, 16].contains(t))
-    };
-    match (n <= crate::batch::MAX_SEQS, *TILE.get_or_init(forced)) {
-        (true, _) => STREAM_TILE_DECODE,
-        (false, Some(t)) => t,
-        (false, None) if n >= STREAM_TILE_LONG_FROM => STREAM_TILE_LONG,
-        (false, None) => STREAM_TILE,
+    match n <= crate::batch::MAX_SEQS {
+        true => STREAM_TILE_DECODE,
+        false => STREAM_TILE,
     }
 }
 
@@ -563,7 +544,7 @@ impl Gpu {
             out.rowmap.len() >= n * (k + 1) && out.pos.len() >= n * (k + 1) && out.tiles.len() >= 3 * tiles,
             "moe_align: outputs sized for fewer tokens"
         );
-        ensure!(tile > 16 || (out.trows.len() >= 8 * tiles && n <= 1 << 16), "moe_align: tile rows for {n} tokens");
+        ensure!(tile > 8 || (out.trows.len() >= 4 * tiles && n <= 1 << 16), "moe_align: tile rows for {n} tokens");
         ensure!(tiles <= 65535, "moe_align: {tiles} tiles over the grid limit");
         let (ni, ki, ei, bn) = (n as i32, k as i32, experts as i32, tile as i32);
         let mut l = self.launcher(&self.f.moe_align);
@@ -571,8 +552,8 @@ impl Gpu {
         l.arg(&out.trows);
         // SAFETY: matches moe_align (prefill.cu), one block of 1024 threads, experts + 1 <= 1024 counters in shared
         // memory; idx holds expert ids < experts for the first k slots of every row (topk_rows writes them); the
-        // tile list fits max_moe_tiles (checked), and so do the tile rows (32 bytes a tile) where tiles hold at most
-        // 16 pairs (the kernel writes them only then; 16-byte aligned: a fresh allocation).
+        // tile list fits max_moe_tiles (checked), and so do the tile rows where tiles hold at most 8 pairs (the
+        // kernel writes them only then; 16-byte aligned: a fresh allocation).
         unsafe { l.launch(cfg((1, 1), 1024, 0)) }?;
         out.holds(n, k, experts, tile, tiles);
         Ok(())
@@ -869,7 +850,7 @@ pub struct MoeSorted {
     pub pos: CudaSlice<i32>,
     pub ntile: CudaSlice<i32>,
     pub tiles: CudaSlice<i32>,
-    /// Each tile's tokens for tiles of at most 16 pairs (moe_align's `trows`: 16 u16 a tile, as 8 u32).
+    /// Each tile's tokens for tiles of at most 8 pairs (moe_align's `trows`: 8 u16 a tile, as 4 u32).
     pub trows: CudaSlice<u32>,
     pub n: usize,
     pub k: usize,
@@ -891,7 +872,7 @@ impl MoeSorted {
             pos: g.zeros(pairs)?,
             ntile: g.zeros(1)?,
             tiles: g.zeros(3 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
-            trows: g.zeros(8 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
+            trows: g.zeros(4 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
             n: 0,
             k,
             experts,
@@ -1422,19 +1403,6 @@ pub fn prefill_flops(c: &Config, m: &DeviceModel, pos0: usize, n: usize) -> f64 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The streamed experts' tile by pass length: decode batches 4, short prefill passes 8, long ones 16.
-    #[test]
-    fn stream_tiles_by_pass_length() {
-        if std::env::var_os("TERN_STREAM_TILE").is_some() {
-            println!("SKIPPED: stream_tiles_by_pass_length: TERN_STREAM_TILE overrides the rule");
-            return;
-        }
-        let tiles = [1, 64, 65, 511, 512, 768].map(stream_tile);
-        assert_eq!(tiles, [4, 4, 8, 8, 16, 16]);
-        // every tile the streamed kernels get has its tokens in trows (moe_align writes them for <= 16 pairs)
-        assert!(tiles.iter().all(|&t| t <= 16));
-    }
 
     /// The tile bound against the tiles moe_align makes for random and adversarial routings (counts per expert,
     /// each rounded up to the tile), and reached by the spread-out one.

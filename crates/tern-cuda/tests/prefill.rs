@@ -316,20 +316,19 @@ fn moe_rows_match_cpu() {
                 // the same pairs, in their tiles of a few pairs (the ring kernels where the shapes allow)
                 let ntile_gemm = g.download(&b.sorted.ntile).unwrap()[0];
                 // the ring kernels (moe_seqs.cu moe_*_ring_t*, where the shapes allow) against the register-streamed
-                // ones on the same pairs, in tiles of 4, 8 and 16 (the ring kernels' 4, 8 and 16 token slots; the
-                // register-streamed ones take 16 in two passes): the same products bit for bit
+                // ones on the same pairs, in tiles of 4 and of 8: the same products bit for bit
                 let imax = sizes.0.max(sizes.1);
-                for tile in [4, 8, 16] {
+                for tile in [tern_cuda::prefill::STREAM_TILE_DECODE, tern_cuda::prefill::STREAM_TILE] {
                     g.moe_align(&b.idx, n, k, e, tile, &mut b.sorted).unwrap();
-                    // each tile's tokens as the streamed gate|up kernels read them: rowmap of its pairs, 16 u16 a tile
+                    // each tile's tokens as the streamed gate|up kernels read them: rowmap of its pairs, 8 u16 a tile
                     let rowmap = g.download(&b.sorted.rowmap).unwrap();
                     let tiles = g.download(&b.sorted.tiles).unwrap();
                     let trows = g.download(&b.sorted.trows).unwrap();
                     let ntile = g.download(&b.sorted.ntile).unwrap()[0] as usize;
                     for t in 0..ntile {
                         let (p0, cnt) = (tiles[3 * t + 1] as usize, tiles[3 * t + 2] as usize);
-                        for i in 0..16 {
-                            let got = (trows[8 * t + i / 2] >> (16 * (i % 2))) & 0xffff;
+                        for i in 0..8 {
+                            let got = (trows[4 * t + i / 2] >> (16 * (i % 2))) & 0xffff;
                             let want = if i < cnt { rowmap[p0 + i] as u32 } else { 0 };
                             assert_eq!(got, want, "{name} N={n} tiles of {tile}: tile {t} pair {i}'s token");
                         }
@@ -454,7 +453,7 @@ fn topk_align_seqs_equals_topk_rows_and_moe_align() {
                         assert_eq!(got, want, "{at}: tile {t}'s rows");
                     }
                     for i in 0..8 {
-                        let tok = (trows[8 * t + i / 2] >> (16 * (i % 2))) & 0xffff;
+                        let tok = (trows[4 * t + i / 2] >> (16 * (i % 2))) & 0xffff;
                         let want = if i < cnt { rowmap[p0 + i] as u32 } else { 0 };
                         assert_eq!(tok, want, "{at}: tile {t} pair {i}'s packed token");
                     }

@@ -1,9 +1,8 @@
 // Few-token kernels of the batched decode step (B <= 64 tokens: 1-8 tokens per routed expert): the experts over the
 // expert-sorted pairs and tile list of moe_align (prefill.cu), the router, and a dense few-token GEMV. Each reads
 // every weight byte once from DRAM and applies it to all the tokens of its tile. The expert kernels take moe_align's
-// tiles of a few pairs (prefill.rs stream_tile: 4 in decode batches, 8 or 16 in prefill passes): an expert many
-// tokens share (the shared expert holds them all) is spread over many blocks rather than looped over in one. No
-// atomics (deterministic).
+// tiles of STREAM_TILE (prefill.rs) = 8 pairs, one mma n-tile: an expert many tokens share (the shared expert holds
+// them all) is spread over many blocks rather than looped over in one. No atomics (deterministic).
 //
 // router_seqs_q{4,8} logits[t, r] = W[r] . xn[t] for the n rows of xn [n, cols] and the rows of W (the router and
 //                   the shared-expert gate, rows = E + 1): grid (rows / 16, n / 4); each block stages its 4 tokens
@@ -438,18 +437,16 @@ __device__ __forceinline__ void rows_mma(const MmaRows& m, int nk, int gshift, i
 // The tile of this block's grid row (blockIdx.y) of moe_align's list, once the previous kernel has finished (the
 // list comes from moe_align, the activations from the kernel before): its expert e, first pair p0, pair count cnt,
 // the expert's inner size n (Is for the shared expert E, else I) and, where trows is given, its pairs' tokens
-// (moe_align's trows: 16 u16, 32 bytes a tile); false where the row is past the list's length. The entry (and the tokens) are read
+// (moe_align's trows: 8 u16); false where the row is past the list's length. The entry (and the tokens) are read
 // together with the length (the grid has as many rows as the list has room for): one round trip after the wait where
 // there were three (count, entry, rowmap). Traced at B = 8 (tern bench --trace, the slowest gate|up block's wait ->
 // tokens staged, means over the layers): 14.8 -> 10.0 us; the median block's 7.0 -> 6.8.
 struct MoeTile {
     int e, p0, cnt, n;
-    uint4 lo, hi;  // pairs 0-7, 8-15 (two fields, not an array: a runtime index into one put it in local memory)
-    __device__ int row(int i) const {  // the token of the tile's pair i < 16
-        const uint4 q = i < 8 ? lo : hi;
-        const int k = i & 7;
-        const unsigned w = k < 4 ? (k < 2 ? q.x : q.y) : (k < 6 ? q.z : q.w);
-        return (int)((w >> (16 * (k & 1))) & 0xffffu);
+    uint4 rows;
+    __device__ int row(int i) const {  // the token of the tile's pair i < 8
+        const unsigned w = i < 4 ? (i < 2 ? rows.x : rows.y) : (i < 6 ? rows.z : rows.w);
+        return (int)((w >> (16 * (i & 1))) & 0xffffu);
     }
 };
 // `wait` false: the caller waits itself, later (moe_down: the list is two launches old when it starts, so it may be
@@ -463,10 +460,7 @@ __device__ __forceinline__ bool moe_tile(const int* __restrict__ ntile, const in
     m.e = tiles[3 * t];
     m.p0 = tiles[3 * t + 1];
     m.cnt = tiles[3 * t + 2];
-    if (trows) {  // 32 bytes a tile (16 u16), one sector
-        m.lo = trows[2 * t];
-        m.hi = trows[2 * t + 1];
-    }
+    if (trows) m.rows = trows[t];
     if (t >= len) return false;
     m.n = m.e == E ? Is : I;
     return true;
@@ -608,7 +602,7 @@ __device__ __forceinline__ void moe_down_mma(const uint32_t* __restrict__ w, con
 MOE_MMA(1)
 MOE_MMA(2)
 
-// ---- the ring kernels (moe_gate_up_ring_t{4,8,16}, moe_down_ring_t{4,8,16}): the experts' rows through shared memory ----
+// ---- the ring kernels (moe_gate_up_ring_t{4,8}, moe_down_ring_t{4,8}): the experts' rows through shared memory ----
 // Same products, arithmetic and results (bit for bit) as moe_gate_up_seqs_w2 / moe_down_seqs_w2, for group size 64
 // and inner sizes that are multiples of 256; what differs is how the weights reach the tensor cores. There, every
 // weight load of a warp touched 8 rows x 32 bytes (8 lines, one sector each) and held its data in registers until
@@ -823,10 +817,6 @@ __device__ __forceinline__ void rows_ring(Item item, int sets, int nc, long rs, 
     __syncwarp();
 }
 
-// Token groups of 8 the ring kernels compute for TGS token slots: one up to 8 (4 slots: tiles of 4), two at 16 (each
-// k-block's weights dequantised once for both: prefill passes, tiles of 16).
-#define RING_NT(TGS) ((TGS) > 8 ? (TGS) / 8 : 1)
-
 // Offset of the rings in the ring kernels' shared memory: after xs and xsum for `cols` columns, to 128 bytes.
 __device__ __forceinline__ int ring_base(int cols, int tgs) { return (cols / 8 * tgs * 16 + cols / 64 * tgs * 4 + 127) & ~127; }
 
@@ -860,27 +850,23 @@ __device__ __forceinline__ void moe_gate_up_ring(const uint32_t* __restrict__ w,
     for (int g0 = 0; g0 < cnt; g0 += TGS) {
         const int nt = min(TGS, cnt - g0);
         if (g0 > 0) __syncthreads();  // the previous pass is done with xs
-        rows_ring<TGS, RING_NT(TGS)>(
+        rows_ring<TGS>(
             item, 1, H / 256, 128, 1024, 8, 64, nt, xs, xsum, ring,
             [&](auto first) {
                 stage_mma<2, TGS>(xn, H, [&](int t) { return tl.row(g0 + t); }, nt, H, xs, xsum, first);
                 trace_mark(0);
             },
-            [&](int, float(&tot)[RING_NT(TGS)][RING_R][4]) {
+            [&](int, float(&tot)[1][RING_R][4]) {
 #pragma unroll
-                for (int t = 0; t < RING_NT(TGS); t++)
+                for (int r = 0; r < RING_R; r++) {
+                    const int jr = j0 + 8 * (warp * RING_R + r);
+                    if (jr >= n) continue;
 #pragma unroll
-                    for (int r = 0; r < RING_R; r++) {
-                        const int jr = j0 + 8 * (warp * RING_R + r);
-                        if (jr >= n) continue;
-#pragma unroll
-                        for (int q = 0; q < 2; q++) {
-                            const int tk = 8 * t + 2 * c + q;
-                            if (tk < nt)
-                                act[(long)(p0 + g0 + tk) * ld + jr + g] =
-                                    __float2bfloat16(silu_f(tot[t][r][q]) * tot[t][r][2 + q]);
-                        }
-                    }
+                    for (int q = 0; q < 2; q++)
+                        if (2 * c + q < nt)
+                            act[(long)(p0 + g0 + 2 * c + q) * ld + jr + g] =
+                                __float2bfloat16(silu_f(tot[0][r][q]) * tot[0][r][2 + q]);
+                }
             },
             2048, 128);
     }
@@ -919,7 +905,7 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
     for (int g0 = 0; g0 < cnt; g0 += TGS) {
         const int nt = min(TGS, cnt - g0);
         if (g0 > 0) __syncthreads();
-        rows_ring<TGS, RING_NT(TGS)>(
+        rows_ring<TGS>(
             item, SETS, n / 256, 128, 1024, 8, 64, nt, xs, xsum, ring,
             [&](auto first) {
                 if (g0 == 0) {  // the first pass's first weights before the wait, later passes' behind their loads
@@ -932,26 +918,24 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
                 });
                 trace_mark(0);
             },
-            [&](int it, float(&tot)[RING_NT(TGS)][RING_R][4]) {
+            [&](int it, float(&tot)[1][RING_R][4]) {
 #pragma unroll
-                for (int t = 0; t < RING_NT(TGS); t++)
+                for (int q = 0; q < RING_R; q++) {
+                    const int rr = start(it, q);
+                    if (rr >= H) continue;
 #pragma unroll
-                    for (int q = 0; q < RING_R; q++) {
-                        const int rr = start(it, q);
-                        if (rr >= H) continue;
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const int row = rr + g + 8 * h, tk = 8 * t + 2 * c;
-                            if (tk < nt) ybuf[(long)(p0 + g0 + tk) * H + row] = tot[t][q][2 * h];
-                            if (tk + 1 < nt) ybuf[(long)(p0 + g0 + tk + 1) * H + row] = tot[t][q][2 * h + 1];
-                        }
+                    for (int h = 0; h < 2; h++) {
+                        const int row = rr + g + 8 * h;
+                        if (2 * c < nt) ybuf[(long)(p0 + g0 + 2 * c) * H + row] = tot[0][q][2 * h];
+                        if (2 * c + 1 < nt) ybuf[(long)(p0 + g0 + 2 * c + 1) * H + row] = tot[0][q][2 * h + 1];
                     }
+                }
             },
             2048, 128);
     }
 }
 
-#define MOE_RING(TGS, MINB, DMINB)                                                                                 \
+#define MOE_RING(TGS, MINB)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128, MINB) moe_gate_up_ring_t##TGS(                               \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
         int Is, int H, int, const __nv_bfloat16* xn, const int* ntile, const int* tiles, const uint4* trows,     \
@@ -959,15 +943,14 @@ __device__ __forceinline__ void moe_down_ring(const uint32_t* __restrict__ w, co
         KTRACE(43);                                                                                              \
         moe_gate_up_ring<TGS>(w, s, b, words, groups, E, I, Is, H, xn, ntile, tiles, trows, act, ld);            \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128, DMINB) moe_down_ring_t##TGS(                                 \
+    extern "C" __global__ void __launch_bounds__(128, 4) moe_down_ring_t##TGS(                                     \
         const uint32_t* w, const __nv_bfloat16* s, const __nv_bfloat16* b, long words, long groups, int E, int I, \
         int Is, int H, int, const __nv_bfloat16* act, int ld, const int* ntile, const int* tiles, float* ybuf) { \
         KTRACE(44);                                                                                              \
         moe_down_ring<TGS>(w, s, b, words, groups, E, I, Is, H, act, ld, ntile, tiles, ybuf);                    \
     }
-MOE_RING(4, 4, 4)
-MOE_RING(8, 3, 4)
-MOE_RING(16, 2, 3)  // two token groups: 191 registers (gate|up), 128 and a spill at 4 blocks (down)
+MOE_RING(4, 4)
+MOE_RING(8, 3)
 
 // dense_ring_n{NT}: y[t, r] (+)= W[r] . x[t] as dense_seqs (the contract at the top), through the ring kernels'
 // whole-line weight stream (rows_ring) with every k-block's weights dequantised once for all the n <= 8 NT tokens
@@ -1459,7 +1442,7 @@ extern "C" __global__ void __launch_bounds__(32 * TA_ROWS) topk_align_seqs(
 #pragma unroll
         for (int i = 0; i < 8; i++)
             if (i < m) wq[i >> 1] |= ((unsigned)srow[p + i] & 0xffffu) << (16 * (i & 1));
-        trows[2 * ti] = make_uint4(wq[0], wq[1], wq[2], wq[3]);  // (tiles of <= 8 pairs: the second half unread)
+        trows[ti] = make_uint4(wq[0], wq[1], wq[2], wq[3]);
     }
     if (tid == 0) {
         int t = 0;

@@ -18,9 +18,9 @@
 //                 pair -> token, pos: (token, slot) -> pair; within an expert in no particular order: GEMM rows
 //                 are independent, so results do not depend on it), shared expert E = pairs N*k .. N*k+N-1 in
 //                 token order, and the tile list of the grouped GEMMs (expert, first pair, count <= bn) with its
-//                 length; for tiles of bn <= 16 pairs also each tile's tokens, trows[2t, 2t + 1] = 16 u16 (rowmap of
-//                 its pairs, low half first, zeros past its count; N <= 65536), so that the streamed kernels read them
-//                 with the tile (one round trip less). Bytes ~ N*(k+1)*12.
+//                 length; for tiles of bn <= 8 pairs also each tile's tokens, trows[t] = 8 u16 (rowmap of its pairs,
+//                 low half first; N <= 65536), so that the streamed kernels read them with the tile (one round trip
+//                 less). Bytes ~ N*(k+1)*12.
 // moe_combine     x[n] += sum_{s <= k} wts[n, s] * ybuf[pos[n, s]] (slot order: deterministic). Grid N.
 // moe_combine_norm_j{8,16}  moe_combine, then rmsnorm_rows of the new x (one launch, the same bits). Grid N.
 // gdn_prep        per token: causal depthwise conv over q|k|v (K taps; inputs before pos0 from the ring, slot
@@ -270,18 +270,17 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(const int* __restri
         rowmap[p] = n;
         pos[n * (k + 1) + k] = p;
     }
-    if (bn > 16) return;
+    if (bn > 8) return;
     __syncthreads();  // every rowmap entry is written (a block's global writes are visible to it after the barrier)
     for (int e = tid; e <= E; e += blockDim.x) {
         int t = tile_off[e];
         for (int c = 0; c < cnt[e]; c += bn, t++) {
             const int m = min(bn, cnt[e] - c);
-            unsigned w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+            unsigned w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-            for (int i = 0; i < 16; i++)
+            for (int i = 0; i < 8; i++)
                 if (i < m) w[i >> 1] |= ((unsigned)rowmap[off[e] + c + i] & 0xffffu) << (16 * (i & 1));
-            trows[2 * t] = make_uint4(w[0], w[1], w[2], w[3]);
-            trows[2 * t + 1] = make_uint4(w[4], w[5], w[6], w[7]);
+            trows[t] = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 }

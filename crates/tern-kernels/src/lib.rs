@@ -52,7 +52,6 @@ mod tests {
         ("router_topk_q8", 32, 0),
         ("moe_gate_up", 16, 0),
         ("dense_ring_n8", 48, 72),
-        ("moe_down_ring_t16", 8, 4),
         ("sample_rows", 32, 32),
     ];
 
