@@ -9,7 +9,7 @@
 //   - the ring kernels (moe_gate_up_ring_t{4,8}, moe_down_ring_t{4,8}) in tiles of 4 and of 8, each checked equal to
 //     the register-streamed kernels bit for bit on the same pairs.
 // Built by tools/cuda-check.sh into .carry/moe_bench; run on the H200 by `bash tools/cuda-run.sh moe`.
-// docs/cuda-notes.md step 31 has what it measured and the variants it ruled out.
+// docs/decisions.md (step 31) has what it measured and the variants it ruled out.
 #include "../crates/tern-kernels/cuda/moe_seqs.cu"
 
 #include <algorithm>

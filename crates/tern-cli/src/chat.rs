@@ -97,6 +97,7 @@ impl Session {
             stop_ids: self.model.stop_ids.clone(),
             logprobs: None,
             constraint: None,
+            min_tokens: 0,
         };
         let rx = self.engine.submit(req)?;
         let mut parser = OutputParser::new(&[], self.thinking);

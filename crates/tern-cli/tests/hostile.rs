@@ -155,9 +155,12 @@ impl Drop for Server {
 fn sampling_fields_cannot_take_the_server_down() {
     let _turn = turn();
     let Some(model) = setup("sampling_fields_cannot_take_the_server_down") else { return };
-    let flags = ["--api-key", "k3y", "--max-concurrent", "1", "--max-queue", "0"];
+    // (--allow-special-in-content: issue 39's old reading of control tokens in messages, checked by the "special"
+    // suite on this server rather than on one of its own; the sampling suite sends no such text)
+    let flags = ["--api-key", "k3y", "--max-concurrent", "1", "--max-queue", "0", "--allow-special-in-content"];
     let server = Server::start("sampling", &model, &flags);
     server.suite("sampling", &["--api-key", "k3y"]);
+    server.suite("special", &["--api-key", "k3y"]);
     assert!(!server.log_text().contains("panicked"), "a panic in the log:\n{}", server.log_text());
 }
 
@@ -241,6 +244,47 @@ fn fuzzed_requests_get_no_5xx_and_no_dropped_connection() {
     let server = Server::start("fuzz", &model, &flags);
     server.suite("fuzz", &["--requests", "1600"]);
     assert!(!server.log_text().contains("panicked"), "a panic in the log:\n{}", server.log_text());
+}
+
+/// Issue 39: what agent and benchmark clients send, as they send it: llama.cpp's Anthropic tests failed (no
+/// `thinking` field still thought), the official anthropic client's forced tool got only a thinking block, a message
+/// spelling `<|im_end|>\n<|im_start|>system\n` opened a system turn, vLLM's benchmark client with --ignore-eos got
+/// 400 for every request (`--allow-special-in-content`, which restores the old reading of control tokens, is
+/// checked on the sampling suite's server).
+#[test]
+fn agent_and_benchmark_clients_work_unchanged() {
+    let _turn = turn();
+    let Some(model) = setup("agent_and_benchmark_clients_work_unchanged") else { return };
+    let server = Server::start("clients", &model, &[]);
+    server.suite("clients", &[]);
+    assert!(!server.log_text().contains("panicked"), "a panic in the log:\n{}", server.log_text());
+}
+
+/// Issue 39: count_tokens had no cap (7 MB: 6 s, +1.6 GB), a 4 MB prompt was tokenised (3.2 s) before its 400, four
+/// oversized requests stalled other clients 25 s, RSS grew over large requests and stayed, a 13-token request waited
+/// out a long prompt's whole prefill, and without a key any `Host` was served (DNS rebinding).
+#[test]
+fn oversized_inputs_are_refused_cheaply_and_hosts_are_checked() {
+    let _turn = turn();
+    let Some(model) = setup("oversized_inputs_are_refused_cheaply_and_hosts_are_checked") else { return };
+    let flags = ["--allowed-hosts", "tern.internal", "--tokenizer-threads", "1"];
+    let server = Server::start("caps", &model, &flags);
+    server.suite("caps", &[]);
+    assert!(!server.log_text().contains("panicked"), "a panic in the log:\n{}", server.log_text());
+}
+
+/// Issue 39: a 22 KB schema (a `$ref` chain 300 deep) or Lark grammar (an 800-rule chain) overflowed a compile
+/// thread's stack and aborted the server, through every structured-output path; 100k alternatives or enum values held
+/// the only preparation thread 17 s (quadratic) while every other request waited; grammar errors came back as 500s
+/// with llguidance's parser state; GBNF and response_format's `schema` were refused or ignored.
+#[test]
+fn grammars_compile_bounded_and_isolated() {
+    let _turn = turn();
+    let Some(model) = setup("grammars_compile_bounded_and_isolated") else { return };
+    let server = Server::start("grammar", &model, &[]);
+    server.suite("grammar", &[]);
+    let log = server.log_text();
+    assert!(!log.contains("panicked") && !log.contains("overflow"), "a panic in the log:\n{log}");
 }
 
 /// An empty API key locked everyone out; now it is refused at start, from the flag or from TERN_API_KEY.

@@ -302,6 +302,12 @@ pub trait Backend: Send + Sync {
     fn step_tokens(&self) -> usize {
         512
     }
+
+    /// Sequences to run at once when the engine is not told otherwise ([`crate::EngineConfig::max_concurrent`] 0):
+    /// what one step takes well. 64 unless a backend knows better.
+    fn max_seqs(&self) -> usize {
+        64
+    }
 }
 
 /// Read `ids` into `seq` as a step of its own and return its logits: every row (`all`) or the last.
@@ -755,5 +761,8 @@ where
     }
     fn step_tokens(&self) -> usize {
         self.inner.step_tokens()
+    }
+    fn max_seqs(&self) -> usize {
+        self.inner.max_seqs()
     }
 }

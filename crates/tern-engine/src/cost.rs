@@ -53,6 +53,7 @@ pub fn constrained_decoding_cost(backend: Arc<dyn Backend>, dir: &Path) -> Resul
             stop_ids: if schema.is_some() { DEFAULT_STOP_IDS.to_vec() } else { vec![] },
             logprobs: None,
             constraint,
+            min_tokens: 0,
         };
         let (mut first, mut last, mut n, mut text) = (None, None, 0usize, String::new());
         for ev in engine.submit(req).map_err(|e| anyhow::anyhow!("{case}: {e}"))? {

@@ -7,16 +7,22 @@
 //! [`EngineConfig::step_tokens`] tokens:
 //!
 //! 1. every running decode reads its one token (all of them, round-robin if they alone exceed the budget);
-//! 2. prompts being read get the budget left, in admission order, a chunk each (a chunk also ends at the prompt's
-//!    snapshot point, see below);
-//! 3. while budget is left, waiting requests are admitted in arrival order and read their first chunk in the same
-//!    step. Admission is by the backend's free state: a sequence reserves room for prompt + `max_tokens`
+//! 2. the prompts being read, and the waiting requests a free slot could take, share the budget left, a chunk
+//!    each (a chunk also ends at the prompt's snapshot point, see below): the fewest tokens left to read first
+//!    (a waiting request counts its whole prompt; ties in arrival order), except that the oldest prompt being
+//!    read, the head, is kept half the budget (or what it has left), so that it is never starved. A waiting
+//!    request is admitted when its turn comes with budget left, and reads its first chunk in the same step; the
+//!    oldest waiting request is admitted first when no prompt being read is older (it then is the head).
+//!    Admission is by the backend's free state: a sequence reserves room for prompt + `max_tokens`
 //!    ([`Backend::alloc`]); when the backend is full, prefix-cache snapshots are evicted to make room, and if
-//!    there still is none the request waits for running ones to finish (or is refused with the backend's reason
-//!    when nothing is running or it can never fit). [`EngineConfig::max_concurrent`] is an upper bound on top.
+//!    there still is none the request waits for running ones to finish, and no other is admitted in that step
+//!    (or it is refused with the backend's reason when nothing is running or it can never fit).
+//!    [`EngineConfig::max_concurrent`] is an upper bound on top.
 //!
 //! So a running stream gets a token in every step, and a long prompt costs it at most one step's budget of
-//! prompt tokens per token.
+//! prompt tokens per token; a short prompt arriving while a long one is read is read in the next step instead of
+//! waiting out the long prompt's whole prefill, and the head still reads at least half of what the decodes leave
+//! of every step's budget, so every prompt is read in bounded time.
 //!
 //! # Cancellation and failures
 //!
@@ -64,7 +70,8 @@ use crate::backend::{
 pub struct EngineConfig {
     /// Context length: prompt + generated tokens of one sequence.
     pub ctx_size: usize,
-    /// At most this many sequences run at once (within it, admission is by the backend's free state); 64.
+    /// At most this many sequences run at once (within it, admission is by the backend's free state); 0 (the
+    /// default): the backend's own [`Backend::max_seqs`] (64 on the CPU, 256 on CUDA: one forward pass's sequences).
     pub max_concurrent: usize,
     /// Requests waiting beyond the running ones before `submit` answers `QueueFull`.
     pub max_queue: usize,
@@ -91,7 +98,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             ctx_size: 32768,
-            max_concurrent: 64,
+            max_concurrent: 0,
             max_queue: 64,
             step_tokens: 0,
             prefix_cache_bytes: 4 << 30,
@@ -162,7 +169,14 @@ pub struct Request {
     pub logprobs: Option<usize>,
     /// Draw every token under this constraint's masks (structured output); `None`: free text.
     pub constraint: Option<Constraint>,
+    /// vLLM's `min_tokens`: the first this many tokens are drawn with the stop ids kept out (a large negative
+    /// bias, so that a constraint allowing nothing else can still end), and no stop string ends them.
+    pub min_tokens: usize,
 }
+
+/// The bias that keeps stop ids out of the first `min_tokens` draws: finite (the samplers refuse infinities),
+/// and far below any logit.
+const STOP_ID_BIAS: f32 = -1.0e9;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FinishReason {
@@ -418,7 +432,10 @@ impl Drop for RunningGuard {
 }
 
 impl Engine {
-    pub fn start(backend: Arc<dyn Backend>, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Engine {
+    pub fn start(backend: Arc<dyn Backend>, tokenizer: Arc<Tokenizer>, mut config: EngineConfig) -> Engine {
+        if config.max_concurrent == 0 {
+            config.max_concurrent = backend.max_seqs().max(1);
+        }
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Stats::default());
         let vocab = backend.vocab_size();
@@ -496,6 +513,8 @@ struct Active<'t> {
     suspect: bool,
     /// Constrained decoding: the constraint and the slot of the next draw's mask.
     masked: Option<Masked>,
+    /// The sampling of the first `min_tokens` draws: the request's, with the stop ids biased out.
+    early: Option<SamplingParams>,
     /// Counts the request in `Stats::admitted` until it ends (the Active is dropped).
     _admitted: Admitted,
 }
@@ -570,6 +589,16 @@ impl Active<'_> {
     fn is_decode(&self) -> bool {
         self.fed >= self.prompt_len
     }
+}
+
+/// What became of a request taken off the queue ([`Scheduler::admit`]).
+enum Admit {
+    /// Running: the last of `active`.
+    Admitted,
+    /// Its client left, or it got its error.
+    Dropped,
+    /// No room now: it waits on.
+    Wait(Box<Job>),
 }
 
 enum Fate {
@@ -683,8 +712,8 @@ impl<'a> Scheduler<'a> {
         });
     }
 
-    /// This step's items: `(index into active, end of the chunk)`, decodes first, then prompt chunks, then the
-    /// first chunks of newly admitted requests.
+    /// This step's items: `(index into active, end of the chunk)`, decodes first, then the chunks of the prompts
+    /// being read (newly admitted requests among them) in the order of `active` (see the module's `# Scheduling`).
     fn plan(&mut self) -> Vec<(usize, usize)> {
         let mut left = self.budget();
         let mut plan = Vec::new();
@@ -698,46 +727,127 @@ impl<'a> Scheduler<'a> {
             left -= plan.len();
             self.rotate = self.rotate.wrapping_add(plan.len());
         }
-        for (i, a) in self.active.iter().enumerate() {
-            if left == 0 {
+        if left == 0 {
+            return plan;
+        }
+        // The waiting requests a free slot could take, in arrival order.
+        let free = self.cfg.max_concurrent.max(1).saturating_sub(self.active.len());
+        let mut queued: Vec<Option<Job>> = Vec::new();
+        while queued.len() < free {
+            match self.waiting.pop_front() {
+                Some(job) if job.ticket.gone() => {} // the client left while it waited
+                Some(job) => queued.push(Some(job)),
+                None => break,
+            }
+        }
+        // The head, the oldest prompt, is read first among the waiting requests when none being read is older (and
+        // when it does not fit, nobody jumps ahead of it into the backend's memory this step).
+        let mut blocked = false;
+        let oldest_reading = self.reading().map(|i| self.active[i].job.received).min();
+        for slot in queued.iter_mut() {
+            let Some(job) = slot.take() else { continue };
+            if oldest_reading.is_some_and(|t| t <= job.received) {
+                *slot = Some(job);
                 break;
             }
-            if !a.suspect && !a.is_decode() {
-                let end = a.chunk_end(left);
-                left -= end - a.fed;
-                plan.push((i, end));
-            }
-        }
-        while left > 0 && self.active.len() < self.cfg.max_concurrent.max(1) {
-            let Some(job) = self.waiting.pop_front() else { break };
-            if job.ticket.gone() {
-                continue; // the client left while it waited
-            }
-            match self.place(&job.req) {
-                Ok((seq, cached)) => {
-                    let Some(admitted) = job.ticket.take() else {
-                        self.backend.free(seq); // it left just now
-                        continue;
-                    };
-                    let a = self.activate(job, seq, cached, admitted);
-                    let end = a.chunk_end(left);
-                    left -= end - a.fed;
-                    self.active.push(a);
-                    plan.push((self.active.len() - 1, end));
-                }
-                Err(AllocError::Full { .. }) if !self.active.is_empty() => {
-                    // Room comes back as running requests finish: it keeps its place at the head of the queue.
-                    self.waiting.push_front(job);
+            match self.admit(job) {
+                Admit::Admitted => break,
+                Admit::Dropped => {} // the next oldest is the head
+                Admit::Wait(job) => {
+                    *slot = Some(*job);
+                    blocked = true;
                     break;
                 }
-                Err(e) => {
-                    if let Some(_admitted) = job.ticket.take() {
-                        let _ = job.events.send(Event::Error(e.to_string()));
-                    }
-                }
             }
         }
+        let head = self.reading().min_by_key(|&i| (self.active[i].job.received, i));
+        // The shortest remaining first, the head within a reserve of half the budget (so it is never starved).
+        #[derive(Clone, Copy)]
+        enum Who {
+            Reading(usize),
+            Queued(usize),
+        }
+        let mut order: Vec<(usize, Instant, Who)> = self
+            .reading()
+            .map(|i| (self.active[i].prompt_len - self.active[i].fed, self.active[i].job.received, Who::Reading(i)))
+            .collect();
+        for (q, job) in queued.iter().enumerate() {
+            if let Some(job) = job {
+                order.push((job.req.prompt.len(), job.received, Who::Queued(q)));
+            }
+        }
+        order.sort_by_key(|&(remaining, received, _)| (remaining, received));
+        let mut reserve = head.map_or(0, |h| self.active[h].chunk_end(left.div_ceil(2)) - self.active[h].fed);
+        let mut chunks = Vec::new();
+        for (_, _, who) in order {
+            let i = match who {
+                Who::Reading(i) if Some(i) == head => {
+                    reserve = 0;
+                    i
+                }
+                Who::Reading(i) => i,
+                Who::Queued(q) => {
+                    if blocked || left <= reserve {
+                        continue;
+                    }
+                    let Some(job) = queued[q].take() else { continue };
+                    match self.admit(job) {
+                        Admit::Admitted => self.active.len() - 1,
+                        Admit::Dropped => continue,
+                        Admit::Wait(job) => {
+                            queued[q] = Some(*job);
+                            blocked = true;
+                            continue;
+                        }
+                    }
+                }
+            };
+            let a = &self.active[i];
+            let end = a.chunk_end(left - reserve);
+            if end > a.fed {
+                left -= end - a.fed;
+                chunks.push((i, end));
+            }
+        }
+        // Those not admitted keep their places at the head of the queue.
+        for job in queued.into_iter().rev().flatten() {
+            self.waiting.push_front(job);
+        }
+        chunks.sort_unstable();
+        plan.extend(chunks);
         plan
+    }
+
+    /// The prompts being read: indices into `active`.
+    fn reading(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.active.len()).filter(|&i| !self.active[i].suspect && !self.active[i].is_decode())
+    }
+
+    /// Take `job` off the queue into a sequence (see [`Self::place`]); a request that cannot fit now while others
+    /// run is handed back to wait, one that can never fit gets its error.
+    fn admit(&mut self, job: Job) -> Admit {
+        if job.ticket.gone() {
+            return Admit::Dropped;
+        }
+        match self.place(&job.req) {
+            Ok((seq, cached)) => {
+                let Some(admitted) = job.ticket.take() else {
+                    self.backend.free(seq); // it left just now
+                    return Admit::Dropped;
+                };
+                let a = self.activate(job, seq, cached, admitted);
+                self.active.push(a);
+                Admit::Admitted
+            }
+            // Room comes back as running requests finish.
+            Err(AllocError::Full { .. }) if !self.active.is_empty() => Admit::Wait(Box::new(job)),
+            Err(e) => {
+                if let Some(_admitted) = job.ticket.take() {
+                    let _ = job.events.send(Event::Error(e.to_string()));
+                }
+                Admit::Dropped
+            }
+        }
     }
 
     /// A sequence for `req`, and how many of its prompt tokens it holds: a fork of the longest cached prefix of
@@ -774,8 +884,16 @@ impl<'a> Scheduler<'a> {
                 stop_ids: job.req.stop_ids.clone(),
                 stop_strings: job.req.stop_strings.clone(),
                 max_tokens: Some(job.req.max_tokens),
+                min_tokens: job.req.min_tokens,
             },
         );
+        let early = (job.req.min_tokens > 0 && !job.req.stop_ids.is_empty()).then(|| {
+            let mut s = job.req.sampling.clone();
+            for &id in &job.req.stop_ids {
+                s.logit_bias.insert(id, STOP_ID_BIAS);
+            }
+            s
+        });
         Active {
             _admitted: admitted,
             seed: job.req.sampling.seed.unwrap_or_else(random_seed),
@@ -794,6 +912,7 @@ impl<'a> Scheduler<'a> {
             first_token: None,
             suspect: false,
             masked,
+            early,
             job,
         }
     }
@@ -810,8 +929,12 @@ impl<'a> Scheduler<'a> {
                     let out = if end < a.tokens.len() {
                         Want::Nothing
                     } else {
+                        let params = match &a.early {
+                            Some(early) if a.generated.len() < a.job.req.min_tokens => early,
+                            _ => &a.job.req.sampling,
+                        };
                         Want::Sample(Sample {
-                            params: &a.job.req.sampling,
+                            params,
                             seed: draw_seed(a.seed, a.generated.len()),
                             history: &a.generated,
                             top_logprobs: a.job.req.logprobs,

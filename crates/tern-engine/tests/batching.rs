@@ -278,3 +278,70 @@ fn prefix_cache_serves_multi_turn_chats_within_its_byte_bound() {
     assert!(engine.stats.prefix_cache_bytes.load(Ordering::SeqCst) <= bound);
     println!("4 two-turn chats: hits {first_hits:?}; cache peak {peak} of {bound} bytes, {entries} entries at the end");
 }
+
+/// Issue 39: a 13-token request waited out an earlier long prompt's whole prefill (27k tokens: 35 s on the CPU).
+/// Now short prompts arriving while a long one is read are read in the next steps, shortest first, while the long
+/// one (the oldest prompt, the head) keeps reading at least half of every step's budget: it is never starved.
+#[test]
+fn short_prompts_are_not_held_behind_a_long_prefill_and_the_long_one_is_not_starved() {
+    let (tok, w) = real_or_skip!("short_prompts_are_not_held_behind_a_long_prefill_and_the_long_one_is_not_starved");
+    let rec = Arc::new(Recorder::new(CpuBackend::new(w.clone())));
+    let budget = 32;
+    let cfg = EngineConfig { step_tokens: budget, prefix_cache_bytes: 0, ..EngineConfig::default() };
+    let engine = Engine::start(rec.clone(), tok.clone(), cfg);
+    let long = prompt(50, 1280); // 40 steps alone
+    let long_rx = engine.submit(greedy(long.clone(), 2)).unwrap();
+    rec.wait_for_steps(3);
+    // While it is read: one 13-token request, then five more at once (13 to 17 tokens, longest first).
+    let short = greedy(prompt(51, 13), 3);
+    let at = rec.steps().len();
+    let (short_toks, short_done) = drain(engine.submit(short.clone()).unwrap());
+    let long_first = long_rx.try_recv();
+    assert!(long_first.is_err(), "the 13-token request waited out the long prompt's prefill: {long_first:?}");
+    let shorts: Vec<Request> = (0..5).map(|i| greedy(prompt(60 + i, 17 - i as usize), 2)).collect();
+    // They arrive together: while a step is held.
+    rec.hold();
+    rec.wait_for_steps(rec.steps().len() + 1);
+    let rxs: Vec<_> = shorts.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+    rec.release();
+    let short_outs: Vec<(Vec<u32>, Event)> = rxs.into_iter().map(drain).collect();
+    let (long_toks, long_done) = drain(long_rx);
+    assert_eq!(long_toks.len(), 2, "{long_done:?}");
+    assert_eq!(short_toks.len(), 3, "{short_done:?}");
+    // Each produces what it produces alone.
+    let alone =
+        Engine::start(Arc::new(CpuBackend::new(w)), tok, EngineConfig { prefix_cache_bytes: 0, ..Default::default() });
+    assert_eq!(short_toks, drain(alone.submit(short).unwrap()).0);
+    for (r, got) in shorts.iter().zip(&short_outs) {
+        assert_eq!(got.0, drain(alone.submit(r.clone()).unwrap()).0);
+    }
+    assert_eq!(long_toks, drain(alone.submit(greedy(long.clone(), 2)).unwrap()).0);
+
+    let steps = rec.steps();
+    let seq_of = |first: u32| steps.iter().flatten().find(|i| i.ids[0] == first && i.n > 1).map(|i| i.seq).unwrap();
+    let long_seq = seq_of(long[0]);
+    let read_by = |seq: SeqId, s: usize| steps[s].iter().filter(|i| i.seq == seq).map(|i| i.n).sum::<usize>();
+    let first_draw = |seq: SeqId| steps.iter().position(|s| s.iter().any(|i| i.seq == seq && i.sample)).unwrap();
+    let long_end = first_draw(long_seq);
+    // The 13-token request: read whole in one step right after it arrived, long before the long prompt's end.
+    let short_seq = seq_of(prompt(51, 13)[0]);
+    let short_first = first_draw(short_seq);
+    assert!(short_first <= at + 2, "the short request drew its first token in step {short_first}, it came at {at}");
+    assert!(short_first + 5 < long_end, "short first token in step {short_first}, the long prompt ended in {long_end}");
+    // The five: shortest first, and all before the long prompt's end.
+    let firsts: Vec<usize> = shorts.iter().map(|r| first_draw(seq_of(r.prompt[0]))).collect();
+    assert!(firsts.iter().all(|&f| f < long_end), "{firsts:?} vs the long prompt's end {long_end}");
+    assert!(firsts.windows(2).all(|w| w[0] >= w[1]), "not shortest first: {firsts:?}");
+    // The long prompt read in every step from its start to its end, at least half the budget the decodes left.
+    let long_start = steps.iter().position(|s| s.iter().any(|i| i.seq == long_seq)).unwrap();
+    for (s, items) in steps.iter().enumerate().take(long_end).skip(long_start) {
+        let decodes = items.iter().filter(|i| i.n == 1 && i.sample && i.seq != long_seq).count();
+        let got = read_by(long_seq, s);
+        assert!(got >= (budget - decodes).div_ceil(2), "step {s}: the long prompt read only {got} tokens");
+        assert!(items.iter().map(|i| i.n).sum::<usize>() <= budget, "step {s} read more than its budget");
+    }
+    println!(
+        "1280-token prompt read over steps {long_start}..={long_end}; a 13-token request arriving at step {at} drew \
+         its first token in step {short_first}; five more in steps {firsts:?}"
+    );
+}

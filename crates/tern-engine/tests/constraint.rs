@@ -85,6 +85,7 @@ fn request(max_tokens: usize, c: Option<Forced>) -> Request {
         stop_ids: vec![STOP],
         logprobs: None,
         constraint: c.map(Constraint::new),
+        min_tokens: 0,
     }
 }
 
@@ -249,6 +250,7 @@ fn json_schema_on_a_random_model() {
             stop_ids: DEFAULT_STOP_IDS.to_vec(),
             logprobs: None,
             constraint: Some(Constraint::new(c)),
+            min_tokens: 0,
         };
         let mut text = String::new();
         let mut finish = None;

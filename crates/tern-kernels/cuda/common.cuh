@@ -8,10 +8,12 @@
 #define FULL_MASK 0xffffffffu
 
 // Programmatic dependent launch: every kernel is launched with programmatic stream serialization (gpu.rs), so
-// its blocks may start while the previous kernel is still running. Code before pdl_wait() may only read data
-// that no kernel of the last two launches writes (weights, constants, state of this layer from the previous
-// token); pdl_wait() returns once the previous kernel has completed (hence all earlier ones), then lets the
-// next kernel launch. Without the launch attribute both instructions are no-ops.
+// its blocks may start while the previous kernel is still running. pdl_wait() returns once the previous kernel
+// has completed (hence all earlier ones), then lets the next kernel launch; so when kernel K starts, K - 2 is
+// complete. The one rule (stated here and in gpu.rs `KLaunch`): code before pdl_wait() may read only constants
+// (weights, tables the host uploaded before the launch) and what kernels two or more launches back wrote, never
+// what the kernel just before (K - 1) writes, and may write nothing K - 1 could still read. Without the launch
+// attribute both instructions are no-ops.
 // Step trace (`tern bench --trace`; off unless the host sets g_trace_on): every traced kernel's blocks append
 // {entry time, time pdl_wait returned, exit time} (%globaltimer, ns) to this module's g_trace.
 struct TraceRec {

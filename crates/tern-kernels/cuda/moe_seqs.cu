@@ -1063,7 +1063,7 @@ DENSE_RING(8, 2)
 // refills the item's slot with item j + S and thread (token, row) adds the warps' partials in warp order and stores
 // (or adds) y. Deterministic, and the same bits for any TGS and S (a token's sums do not depend on its pass). The rows
 // keep their stride of cols / 2 bytes in a slot, so the 8-byte loads of rows g = 0..3 of an mma meet in the same
-// banks (4-way); measured on the H200 (docs/cuda-notes.md step 38), a bulk copy per row into padded rows (48 small
+// banks (4-way); measured on the H200 (docs/decisions.md, step 38), a bulk copy per row into padded rows (48 small
 // copies a unit from one thread) was 2-3x slower, and 16-byte cp.async from every thread into swizzled rows no
 // faster. Also measured (step 40): warps that run ahead (no barrier within a pass; the last warp done with an item
 // refills its slot and adds the partials) were slower at every n (in_proj at 8 tokens 8.0 -> 12.1 us): one warp's

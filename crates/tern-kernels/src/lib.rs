@@ -43,7 +43,7 @@ mod tests {
     /// The kernels that have a stack frame or spill today, with those bytes; every other kernel must have neither.
     /// A runtime index into a small array, or a register limit too tight, moves values to local memory, which costs
     /// a kernel on the critical path several percent (a tile's tokens as `uint4 rows[2]` in moe_seqs.cu slowed the
-    /// batched decode step 2-3%, cuda-notes step 41). Growing an entry here is a decision, measured on the device.
+    /// batched decode step 2-3%, docs/decisions.md, step 41). Growing an entry here is a decision, measured on the device.
     const ALLOWED: &[(&str, u32, u32)] = &[
         ("attn_prep_seqs", 32, 0),
         ("attn_prep", 32, 0),

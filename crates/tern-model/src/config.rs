@@ -29,6 +29,13 @@ pub struct Config {
     /// Dimensions that rotate: `head_dim * partial_rotary_factor`.
     pub rotary_dim: usize,
     pub rope_theta: f64,
+    /// M-RoPE: how many of the `rotary_dim / 2` frequencies follow the (time, height, width) position streams,
+    /// interleaved as transformers' Qwen3_5Moe does (frequency `i` follows height when `i % 3 == 1` and
+    /// `i < 3 * section[1]`, width when `i % 3 == 2` and `i < 3 * section[2]`, time otherwise). Text-only
+    /// positions are equal in all three streams, so it only matters with images.
+    pub mrope_section: [usize; 3],
+    /// The id of the image placeholder token (`image_token_id`, top level).
+    pub image_token_id: u32,
     // Gated DeltaNet
     pub linear_num_key_heads: usize,
     pub linear_num_value_heads: usize,
@@ -40,6 +47,12 @@ pub struct Config {
     pub num_experts_per_tok: usize,
     pub moe_intermediate_size: usize,
     pub shared_expert_intermediate_size: usize,
+    // multi-token prediction (model-spec §3.3)
+    /// MTP decoder layers (`mtp_num_hidden_layers`; 0 when the config has none). The real model has 1.
+    pub mtp_num_hidden_layers: usize,
+    /// `mtp_use_dedicated_embeddings`: the MTP block has its own embedding table (false in the real model: it
+    /// shares `embed_tokens` and `lm_head`).
+    pub mtp_use_dedicated_embeddings: bool,
 }
 
 impl Config {
@@ -155,6 +168,27 @@ impl Config {
             None => float_or("partial_rotary_factor", 0.25)?,
         };
 
+        let mrope_section =
+            match rope_get("mrope_section").or_else(|| get("rope_scaling").and_then(|r| r.get("mrope_section"))) {
+                None => [11, 11, 10],
+                Some(v) => {
+                    let a = v
+                        .as_array()
+                        .filter(|a| a.len() == 3)
+                        .with_context(|| format!("mrope_section: expected 3 integers, got {v}"))?;
+                    let f = |i: usize| {
+                        a[i].as_u64()
+                            .map(|n| n as usize)
+                            .with_context(|| format!("mrope_section: expected 3 integers, got {v}"))
+                    };
+                    [f(0)?, f(1)?, f(2)?]
+                }
+            };
+        let image_token_id = match root.get("image_token_id").or_else(|| get("image_token_id")).filter(|v| !v.is_null())
+        {
+            None => 248_056,
+            Some(v) => v.as_u64().with_context(|| format!("image_token_id: expected an integer, got {v}"))? as u32,
+        };
         let head_dim = uint("head_dim")?;
         let c = Config {
             hidden_size: uint("hidden_size")?,
@@ -174,6 +208,8 @@ impl Config {
             head_dim,
             rotary_dim: (head_dim as f64 * partial) as usize,
             rope_theta,
+            mrope_section,
+            image_token_id,
             linear_num_key_heads: uint("linear_num_key_heads")?,
             linear_num_value_heads: uint("linear_num_value_heads")?,
             linear_key_head_dim: uint("linear_key_head_dim")?,
@@ -183,6 +219,18 @@ impl Config {
             num_experts_per_tok: uint("num_experts_per_tok")?,
             moe_intermediate_size: uint("moe_intermediate_size")?,
             shared_expert_intermediate_size: uint("shared_expert_intermediate_size")?,
+            mtp_num_hidden_layers: match get("mtp_num_hidden_layers") {
+                None => 0,
+                Some(v) => {
+                    v.as_u64().with_context(|| format!("mtp_num_hidden_layers: expected an integer, got {v}"))? as usize
+                }
+            },
+            mtp_use_dedicated_embeddings: match get("mtp_use_dedicated_embeddings") {
+                None => false,
+                Some(v) => v
+                    .as_bool()
+                    .with_context(|| format!("mtp_use_dedicated_embeddings: expected true or false, got {v}"))?,
+            },
         };
         c.validate(partial)?;
         Ok(c)
@@ -278,6 +326,7 @@ mod tests {
         assert_eq!(c.linear_conv_dim(), 8192);
         assert_eq!(c.vocab_size, 248_320);
         assert_eq!((c.num_experts, c.num_experts_per_tok), (256, 8));
+        assert_eq!((c.mtp_num_hidden_layers, c.mtp_use_dedicated_embeddings), (1, false));
     }
 
     #[test]

@@ -5,7 +5,19 @@
 //! ([`Weights::forward_batch`]) does so for several sequences, with their tokens stacked for every weight. A
 //! prefill of N tokens followed by M single-token calls computes exactly (bit for bit) what one call of N+M tokens
 //! computes, and a sequence in a batch exactly what it computes alone.
+//!
+//! Images ([`Weights::forward_mm`]): the vision tower's rows ([`crate::vision`]) replace the embeddings of the image
+//! pad tokens, and attention rotates by M-RoPE (three position streams, time / height / width, over the interleaved
+//! `mrope_section`), as transformers' Qwen3_5Moe does. Text positions are equal in the three streams, so a
+//! text-only prompt computes exactly what it did before M-RoPE (the rotation reads the same position for every
+//! frequency); after an image, text continues from [`State::rope_delta`].
+//!
+//! The multi-token-prediction block (model-spec §3.3, [`Weights::mtp_forward_batch`]) runs here too, with vLLM's
+//! semantics: it reads the main model's post-norm hidden state ([`Weights::forward_batch_hidden`]) and the next
+//! token, through one full-attention decoder layer over its own KV cache ([`State::new_mtp`]), and drafts with
+//! the shared lm_head; tests/mtp.rs holds it to an oracle built from transformers' classes.
 
+use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 
 use crate::config::Config;
@@ -16,6 +28,11 @@ use crate::weights::{dot, Attention, GatedDeltaNet, Layer, Linear, Mixer, Mlp, M
 #[derive(Clone)]
 pub struct State {
     pub pos: usize,
+    /// M-RoPE offset of text positions (transformers' `rope_deltas`): the token at cache index `i` that is text
+    /// sits at position `i + rope_delta` in all three streams. 0 until an image is read
+    /// ([`Weights::forward_mm`]); then the largest position used + 1 minus the tokens read, so text continues
+    /// after the image's positions.
+    pub rope_delta: i64,
     pub layers: Vec<LayerState>,
     /// Test hook (off by default): hold expert choices equal to another backend's, or record router logits.
     pub routing: Routing,
@@ -62,7 +79,42 @@ impl State {
                 },
             })
             .collect();
-        State { pos: 0, layers, routing: Routing::default() }
+        State { pos: 0, rope_delta: 0, layers, routing: Routing::default() }
+    }
+
+    /// The state of the MTP block ([`Weights::mtp_forward_batch`]): its one attention layer's KV cache. `pos`
+    /// counts its rows; row `i` holds the main model's position `i` (vLLM's convention: the MTP row pairing the
+    /// hidden state of position `i` with the token at `i + 1` is at position `i`).
+    pub fn new_mtp() -> State {
+        let layers = vec![LayerState::Attention { k: Vec::new(), v: Vec::new() }];
+        State { pos: 0, rope_delta: 0, layers, routing: Routing::default() }
+    }
+
+    /// Bytes of an MTP state ([`State::new_mtp`]) that has read `tokens` rows: f32 keys and values of one
+    /// attention layer.
+    pub fn mtp_bytes_for(c: &Config, tokens: usize) -> usize {
+        4 * tokens * 2 * c.num_key_value_heads * c.head_dim
+    }
+
+    /// Forget everything after the first `pos` tokens (rejected drafts). Only a state of attention layers (the
+    /// MTP block's) can: a Gated DeltaNet state holds no history to go back to.
+    pub fn rewind(&mut self, pos: usize) -> Result<()> {
+        if pos > self.pos {
+            bail!("rewind to {pos}: the state holds only {} tokens", self.pos);
+        }
+        if self.layers.iter().any(|l| matches!(l, LayerState::DeltaNet { .. })) {
+            bail!("rewind: a Gated DeltaNet state cannot be rewound");
+        }
+        let n = self.pos;
+        for l in &mut self.layers {
+            if let LayerState::Attention { k, v } = l {
+                let width = k.len().checked_div(n).unwrap_or(0);
+                k.truncate(pos * width);
+                v.truncate(pos * width);
+            }
+        }
+        self.pos = pos;
+        Ok(())
     }
 
     /// Bytes of the state of a sequence that has read `tokens` tokens: the fixed conv inputs and recurrent state
@@ -103,6 +155,50 @@ pub struct Part<'a> {
     pub logits: Logits,
 }
 
+/// One image of a [`Weights::forward_mm`] prompt: the tower's rows for it and its grid.
+#[derive(Clone, Copy, Debug)]
+pub struct ImageRows<'a> {
+    /// `[tokens, hidden]`: [`crate::vision::Vision::forward`]'s rows for this image, spliced in place of its
+    /// image pad tokens.
+    pub rows: &'a [f32],
+    /// (t, h, w) in patches, as the processor gives it ([`crate::vision::Pixels::grid`]).
+    pub grid: [usize; 3],
+}
+
+/// The image part of one sequence's call: rows to put in place of embeddings, and every token's M-RoPE
+/// position.
+struct Mm {
+    /// (row of the part, values `[hidden]`) for each image pad token.
+    rows: Vec<(usize, Vec<f32>)>,
+    positions: Vec<[i64; 3]>,
+    /// The next text position after the call.
+    next: i64,
+}
+
+/// What [`Weights::forward_batch_hidden`] and [`Weights::mtp_forward_batch`] return for one part.
+#[derive(Clone, Debug, Default)]
+pub struct Output {
+    /// `[rows, vocab]`, the rows the part's `logits` asks for.
+    pub logits: Vec<f32>,
+    /// `[rows, hidden]`: the last hidden state after the final norm (what the lm_head reads). From the main model
+    /// it is the MTP block's input (vLLM passes the main model's post-norm output); from the MTP block (all rows)
+    /// it is the input of the next chained draft step.
+    pub hidden: Vec<f32>,
+}
+
+/// One sequence's part of a [`Weights::mtp_forward_batch`]: `n` rows, row `i` pairing a hidden state of position
+/// `state.pos + i` with the id of the token at the position after it.
+pub struct MtpPart<'a> {
+    /// `[n, hidden]`: the main model's post-norm hidden states ([`Output::hidden`] of
+    /// [`Weights::forward_batch_hidden`]), or, for a chained draft, the MTP block's own previous output.
+    pub hidden: &'a [f32],
+    /// `[n]`: the token after each hidden row's position.
+    pub ids: &'a [u32],
+    /// The MTP block's KV cache ([`State::new_mtp`]).
+    pub state: &'a mut State,
+    pub logits: Logits,
+}
+
 /// Where one part's rows sit in the stacked activations, and where its sequence stands.
 #[derive(Clone, Copy)]
 struct Seg {
@@ -128,6 +224,13 @@ impl Weights {
         out.pop().unwrap_or_default()
     }
 
+    /// [`Weights::forward`] that also returns the rows `hidden` asks for of the last hidden state (after the final
+    /// norm: the MTP block's input).
+    pub fn forward_hidden(&self, ids: &[u32], state: &mut State, which: Logits, hidden: Logits) -> Output {
+        let mut out = self.forward_batch_hidden(&mut [Part { ids, state, logits: which }], &[hidden]);
+        out.pop().unwrap_or_default()
+    }
+
     /// Several sequences in one pass: their tokens are stacked so that every projection, the router, the shared
     /// expert and each routed expert read their weights once for all rows, while the conv and recurrent state,
     /// the Gated DeltaNet recurrence and attention run per sequence over its own state. Returns each part's
@@ -138,6 +241,134 @@ impl Weights {
     /// conv and the recurrence read only the sequence's own values), so a part's logits are bit-identical to
     /// the same tokens read alone, in one call or several (tests/batch.rs).
     pub fn forward_batch(&self, parts: &mut [Part]) -> Vec<Vec<f32>> {
+        let skip = vec![Logits::Skip; parts.len()];
+        self.forward_batch_hidden(parts, &skip).into_iter().map(|o| o.logits).collect()
+    }
+
+    /// [`Weights::forward_batch`] that also returns, per part, the rows `hidden[j]` asks for of the last hidden
+    /// state after the final norm (the input of the MTP block, [`Weights::mtp_forward_batch`]).
+    pub fn forward_batch_hidden(&self, parts: &mut [Part], hidden: &[Logits]) -> Vec<Output> {
+        self.run(parts, hidden, &[])
+    }
+
+    /// Read `ids` with images after what `state` holds: each run of `image_token_id` ids takes the rows of the
+    /// next image of `images` (as many pads as the image has tokens; an image does not span calls), and every
+    /// token gets transformers' M-RoPE position (`get_rope_index`: text continues from the state's next
+    /// position; an image's tokens are at (t, h, w) = start + (0, row, col) of its merged grid; text after it
+    /// continues from the largest position used + 1). Returns logits as [`Weights::forward`]. Text-only calls
+    /// before or after it are ordinary [`Weights::forward`] calls.
+    pub fn forward_mm(&self, ids: &[u32], images: &[ImageRows], state: &mut State, which: Logits) -> Result<Vec<f32>> {
+        let merge = self.vision.as_ref().map_or(2, |v| v.config.spatial_merge_size);
+        let mm = self.mm_part(ids, images, state, merge)?;
+        let mut out = self.run(&mut [Part { ids, state, logits: which }], &[Logits::Skip], &[Some(mm)]);
+        Ok(out.pop().unwrap_or_default().logits)
+    }
+
+    /// [`Weights::forward_batch_hidden`] where part `j` reads the images `images[j]` (empty: a text part, as in
+    /// [`Weights::forward_batch`]) as [`Weights::forward_mm`] does; every part computes exactly what it does alone.
+    pub fn forward_batch_mm(
+        &self,
+        parts: &mut [Part],
+        images: &[&[ImageRows]],
+        hidden: &[Logits],
+    ) -> Result<Vec<Output>> {
+        if images.len() != parts.len() || hidden.len() != parts.len() {
+            bail!(
+                "forward_batch_mm: {} parts, {} image lists, {} hidden choices",
+                parts.len(),
+                images.len(),
+                hidden.len()
+            );
+        }
+        let merge = self.vision.as_ref().map_or(2, |v| v.config.spatial_merge_size);
+        let mm = parts
+            .iter()
+            .zip(images)
+            .enumerate()
+            .map(|(j, (p, im))| {
+                let has_pads = p.ids.contains(&self.config.image_token_id);
+                if im.is_empty() && !has_pads {
+                    return Ok(None);
+                }
+                self.mm_part(p.ids, im, p.state, merge).map(Some).with_context(|| format!("part {j}"))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.run(parts, hidden, &mm))
+    }
+
+    /// transformers' M-RoPE positions (t, h, w) of `ids` read after `state` (see [`Weights::forward_mm`]), with
+    /// images of `grids` (patches) merged `merge × merge`; and the next text position after them.
+    pub fn mrope_positions(
+        &self,
+        ids: &[u32],
+        grids: &[[usize; 3]],
+        state: &State,
+        merge: usize,
+    ) -> Result<(Vec<[i64; 3]>, i64)> {
+        let image = self.config.image_token_id;
+        let mut cur = state.pos as i64 + state.rope_delta;
+        let mut out = Vec::with_capacity(ids.len());
+        let mut next_image = 0;
+        let mut t = 0;
+        while t < ids.len() {
+            if ids[t] != image {
+                out.push([cur; 3]);
+                cur += 1;
+                t += 1;
+                continue;
+            }
+            let Some(g) = grids.get(next_image) else {
+                bail!("image pad token at {t}: more image pads than images ({})", grids.len());
+            };
+            let (lt, lh, lw) = (g[0], g[1] / merge, g[2] / merge);
+            let n = lt * lh * lw;
+            if n == 0 || ids.len() < t + n || ids[t..t + n].iter().any(|&i| i != image) {
+                bail!("image {next_image}: {n} image pad tokens expected at {t} for grid {g:?}");
+            }
+            for it in 0..lt {
+                for r in 0..lh {
+                    for c in 0..lw {
+                        out.push([cur + it as i64, cur + r as i64, cur + c as i64]);
+                    }
+                }
+            }
+            cur += lh.max(lw) as i64;
+            t += n;
+            next_image += 1;
+        }
+        if next_image != grids.len() {
+            bail!("{} images but pads for {next_image}", grids.len());
+        }
+        Ok((out, cur))
+    }
+
+    fn mm_part(&self, ids: &[u32], images: &[ImageRows], state: &State, merge: usize) -> Result<Mm> {
+        let h = self.config.hidden_size;
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid).collect();
+        let (positions, next) = self.mrope_positions(ids, &grids, state, merge)?;
+        let mut rows = Vec::new();
+        let pads = ids.iter().enumerate().filter(|(_, &i)| i == self.config.image_token_id).map(|(t, _)| t);
+        let mut pads = pads.peekable();
+        for (k, im) in images.iter().enumerate() {
+            let n = im.grid.iter().product::<usize>() / (merge * merge);
+            if im.rows.len() != n * h {
+                bail!("image {k}: {} values for {n} tokens of hidden size {h}", im.rows.len());
+            }
+            for r in im.rows.chunks_exact(h) {
+                let t = pads.next().context("fewer image pads than image rows")?;
+                rows.push((t, r.to_vec()));
+            }
+        }
+        if pads.peek().is_some() {
+            bail!("more image pads than image rows");
+        }
+        Ok(Mm { rows, positions, next })
+    }
+
+    /// [`Weights::forward_batch_hidden`] with, per part, optional image rows and M-RoPE positions (`mm` empty:
+    /// none for any part).
+    fn run(&self, parts: &mut [Part], hidden: &[Logits], mm: &[Option<Mm>]) -> Vec<Output> {
+        assert_eq!(hidden.len(), parts.len(), "forward_batch_hidden: one hidden choice per part");
         let c = &self.config;
         let h = c.hidden_size;
         let mut segs = Vec::with_capacity(parts.len());
@@ -151,6 +382,18 @@ impl Weights {
         for (&id, xt) in parts.iter().flat_map(|p| p.ids).zip(x.chunks_exact_mut(h)) {
             self.embed.row_into(id as usize, xt);
         }
+        let mut pos3 = Vec::with_capacity(parts.len());
+        for (j, (p, s)) in parts.iter().zip(&segs).enumerate() {
+            match mm.get(j).and_then(Option::as_ref) {
+                Some(m) => {
+                    for (t, r) in &m.rows {
+                        x[(s.row + t) * h..(s.row + t + 1) * h].copy_from_slice(r);
+                    }
+                    pos3.push(m.positions.clone());
+                }
+                None => pos3.push(text_positions(s, p.state.rope_delta)),
+            }
+        }
         let mut u = vec![0.0; rows * h];
         let forced: Vec<Option<Vec<Vec<usize>>>> = parts.iter_mut().map(|p| p.state.routing.force.take()).collect();
         for p in parts.iter_mut() {
@@ -159,32 +402,135 @@ impl Weights {
         for (i, layer) in self.layers.iter().enumerate() {
             let mut states: Vec<&mut State> = parts.iter_mut().map(|p| &mut *p.state).collect();
             let forced_i: Vec<Option<&[usize]>> = forced.iter().map(|f| f.as_ref().map(|f| f[i].as_slice())).collect();
-            layer_forward(c, layer, i, &mut states, &segs, &mut x, &mut u, &forced_i);
+            layer_forward(c, layer, i, &mut states, &segs, &pos3, &mut x, &mut u, &forced_i);
         }
-        // The rows each part wants, stacked for one lm_head pass.
-        let mut picked: Vec<(usize, usize)> = Vec::with_capacity(parts.len()); // (first row, rows) per part
-        let mut xs = Vec::new();
-        for (p, s) in parts.iter_mut().zip(&segs) {
+        for (j, (p, s)) in parts.iter_mut().zip(&segs).enumerate() {
             p.state.pos += s.n;
-            let want = match p.logits {
+            if let Some(m) = mm.get(j).and_then(Option::as_ref) {
+                p.state.rope_delta = m.next - p.state.pos as i64;
+            }
+        }
+        let wants: Vec<(Logits, Logits)> = parts.iter().map(|p| p.logits).zip(hidden.iter().copied()).collect();
+        self.head(&self.norm, &x, &segs, &wants)
+    }
+
+    /// The final norm `norm` over the rows each part wants (`wants[j]`: its logits rows, its hidden rows), then one
+    /// lm_head pass over the stacked logits rows.
+    fn head(&self, norm: &[f32], x: &[f32], segs: &[Seg], wants: &[(Logits, Logits)]) -> Vec<Output> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let mut picked: Vec<(usize, usize)> = Vec::with_capacity(segs.len()); // (first row, rows) per part
+        let mut xs = Vec::new();
+        let mut hiddens = Vec::with_capacity(segs.len());
+        for (s, &(lw, hw)) in segs.iter().zip(wants) {
+            let rows = |w: Logits| match w {
                 Logits::All => s.n,
                 Logits::Last => 1,
                 Logits::Skip => 0,
             };
+            let (want, hwant) = (rows(lw), rows(hw));
+            let mut normed = x[(s.row + s.n - want.max(hwant)) * h..(s.row + s.n) * h].to_vec();
+            normed.chunks_exact_mut(h).for_each(|r| rms_norm(r, norm, c.rms_norm_eps));
+            let k = normed.len() / h;
             picked.push((xs.len() / h, want));
-            xs.extend_from_slice(&x[(s.row + s.n - want) * h..(s.row + s.n) * h]);
+            xs.extend_from_slice(&normed[(k - want) * h..]);
+            normed.drain(..(k - hwant) * h);
+            hiddens.push(normed);
         }
         let out_rows = xs.len() / h;
-        xs.chunks_exact_mut(h).for_each(|r| rms_norm(r, &self.norm, c.rms_norm_eps));
         let v = c.vocab_size;
         let mut logits = vec![0.0; out_rows * v];
         if out_rows > 0 {
             self.lm_head.forward(&xs, out_rows, &mut logits);
         }
-        if let [_] = picked[..] {
-            return vec![logits]; // a batch of one: no copy (a prefill's every row can be hundreds of MB)
+        if picked.len() == 1 {
+            // A batch of one: no copy (a prefill's every row can be hundreds of MB).
+            return vec![Output { logits, hidden: hiddens.pop().unwrap_or_default() }];
         }
-        picked.iter().map(|&(r, n)| logits[r * v..(r + n) * v].to_vec()).collect()
+        picked
+            .iter()
+            .zip(hiddens)
+            .map(|(&(r, n), hidden)| Output { logits: logits[r * v..(r + n) * v].to_vec(), hidden })
+            .collect()
+    }
+
+    /// One step of the multi-token-prediction block (model-spec §3.3; vLLM `Qwen3_5MultiTokenPredictor`) for
+    /// one sequence: see [`Weights::mtp_forward_batch`].
+    pub fn mtp_forward(&self, hidden: &[f32], ids: &[u32], state: &mut State, which: Logits) -> Result<Output> {
+        let mut out = self.mtp_forward_batch(&mut [MtpPart { hidden, ids, state, logits: which }])?;
+        out.pop().context("internal: no MTP output")
+    }
+
+    /// One draft step: the MTP block's logits `[vocab]` for the token after `next_id`, given the hidden state of
+    /// the position before `next_id` (the main model's post-norm hidden state, or the MTP block's own output for
+    /// a chained draft); appends one row to `state`.
+    pub fn mtp_logits(&self, hidden: &[f32], next_id: u32, state: &mut State) -> Result<Vec<f32>> {
+        Ok(self.mtp_forward(hidden, &[next_id], state, Logits::Last)?.logits)
+    }
+
+    /// The MTP block over several sequences' rows, stacked like [`Weights::forward_batch`]. Per row (vLLM's
+    /// semantics): `u = fc([pre_fc_norm_embedding(embed(id)) ; pre_fc_norm_hidden(hidden)])` (embedding first),
+    /// then one full-attention decoder layer with its MoE over the part's own KV cache (`state`, positions
+    /// `state.pos ..`), then `mtp.norm` and the shared lm_head. Returns per part the logits rows it asks for and
+    /// every row's post-norm hidden state (the next chained step's input).
+    ///
+    /// To keep the cache in step with the main model, read every position through it: the prompt's rows
+    /// `(hidden_i, id_{i+1})`, and after each verify pass the accepted ones ([`State::rewind`] drops drafts).
+    pub fn mtp_forward_batch(&self, parts: &mut [MtpPart]) -> Result<Vec<Output>> {
+        let mtp = self
+            .mtp
+            .as_ref()
+            .with_context(|| format!("this model has no MTP block: {}", self.mtp_off_reason().unwrap_or_default()))?;
+        let c = &self.config;
+        let h = c.hidden_size;
+        let mut segs = Vec::with_capacity(parts.len());
+        let mut rows = 0;
+        for p in parts.iter() {
+            let n = p.ids.len();
+            if n == 0 {
+                bail!("MTP forward: no ids");
+            }
+            if p.hidden.len() != n * h {
+                bail!("MTP forward: {} hidden values for {n} ids of hidden size {h}", p.hidden.len());
+            }
+            if let Some(bad) = p.ids.iter().find(|&&id| id as usize >= c.vocab_size) {
+                bail!("MTP forward: token id {bad} is outside the vocabulary (size {})", c.vocab_size);
+            }
+            if !matches!(p.state.layers[..], [LayerState::Attention { .. }]) {
+                bail!("MTP forward: the state is not an MTP state (State::new_mtp)");
+            }
+            segs.push(Seg { row: rows, n, pos: p.state.pos });
+            rows += n;
+        }
+        // fc over [norm_e(embed(id)) ; norm_h(hidden)], per row.
+        let mut cat = vec![0.0; rows * 2 * h];
+        let ids = parts.iter().flat_map(|p| p.ids.iter());
+        let hid = parts.iter().flat_map(|p| p.hidden.chunks_exact(h));
+        for ((&id, hr), row) in ids.zip(hid).zip(cat.chunks_exact_mut(2 * h)) {
+            let (e, hh) = row.split_at_mut(h);
+            self.embed.row_into(id as usize, e);
+            rms_norm(e, &mtp.pre_fc_norm_embedding, c.rms_norm_eps);
+            hh.copy_from_slice(hr);
+            rms_norm(hh, &mtp.pre_fc_norm_hidden, c.rms_norm_eps);
+        }
+        let mut x = project(&mtp.fc, &cat, rows);
+        let mut u = vec![0.0; rows * h];
+        // The routing test hook, as for the main model (the MTP layer is layer 0 of its state).
+        let taken: Vec<Option<Vec<Vec<usize>>>> = parts.iter_mut().map(|p| p.state.routing.force.take()).collect();
+        let forced: Vec<Option<&[usize]>> =
+            taken.iter().map(|f| f.as_ref().and_then(|f| f.first()).map(Vec::as_slice)).collect();
+        for p in parts.iter_mut() {
+            p.state.routing.logits.clear();
+        }
+        let mut states: Vec<&mut State> = parts.iter_mut().map(|p| &mut *p.state).collect();
+        let pos3: Vec<Vec<[i64; 3]>> =
+            segs.iter().zip(&states).map(|(s, st)| text_positions(s, st.rope_delta)).collect();
+        layer_forward(c, &mtp.layer, 0, &mut states, &segs, &pos3, &mut x, &mut u, &forced);
+        for (p, s) in parts.iter_mut().zip(&segs) {
+            p.state.pos += s.n;
+        }
+        let wants: Vec<(Logits, Logits)> = parts.iter().map(|p| (p.logits, Logits::All)).collect();
+        Ok(self.head(&mtp.norm, &x, &segs, &wants))
     }
 }
 
@@ -196,6 +542,7 @@ fn layer_forward(
     li: usize,
     states: &mut [&mut State],
     segs: &[Seg],
+    pos3: &[Vec<[i64; 3]>],
     x: &mut [f32],
     u: &mut [f32],
     forced: &[Option<&[usize]>],
@@ -211,10 +558,11 @@ fn layer_forward(
             let k = project(&a.k_proj, u, rows);
             let v = project(&a.v_proj, u, rows);
             let (wq, wk) = (a.q_proj.rows(), a.k_proj.rows());
-            let o = per_sequence(&mut ls, segs, |ls, s| {
+            let segs3: Vec<(Seg, &[[i64; 3]])> = segs.iter().copied().zip(pos3.iter().map(Vec::as_slice)).collect();
+            let o = per_sequence(&mut ls, &segs3, |ls, (s, p3)| {
                 let LayerState::Attention { k: kc, v: vc } = ls else { unreachable!("state follows layer_types") };
                 let kt = k[s.rows(wk)].to_vec();
-                attention_core(c, a, kc, vc, s.pos, &qg[s.rows(wq)], kt, &v[s.rows(wk)], s.n)
+                attention_core_at(c, a, kc, vc, s.pos, p3, &qg[s.rows(wq)], kt, &v[s.rows(wk)], s.n)
             });
             project(&a.o_proj, &o, rows)
         }
@@ -253,9 +601,9 @@ fn layer_forward(
 
 /// `f` over each sequence's state and rows, in parallel (the states are disjoint); the outputs concatenated in
 /// sequence order.
-fn per_sequence<F>(ls: &mut [&mut LayerState], segs: &[Seg], f: F) -> Vec<f32>
+fn per_sequence<S: Sync, F>(ls: &mut [&mut LayerState], segs: &[S], f: F) -> Vec<f32>
 where
-    F: Fn(&mut LayerState, &Seg) -> Vec<f32> + Sync,
+    F: Fn(&mut LayerState, &S) -> Vec<f32> + Sync,
 {
     let outs: Vec<Vec<f32>> = ls.par_iter_mut().zip(segs).map(|(l, s)| f(l, s)).collect();
     outs.concat()
@@ -303,10 +651,46 @@ pub fn attention_core(
     vc: &mut Vec<f32>,
     pos: usize,
     qg: &[f32],
+    k: Vec<f32>,
+    v: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let p3: Vec<[i64; 3]> = (0..n).map(|t| [(pos + t) as i64; 3]).collect();
+    attention_core_at(c, a, kc, vc, pos, &p3, qg, k, v, n)
+}
+
+/// The text positions (all three M-RoPE streams equal) of a part's tokens: cache index + `delta`.
+fn text_positions(s: &Seg, delta: i64) -> Vec<[i64; 3]> {
+    (0..s.n).map(|t| [(s.pos + t) as i64 + delta; 3]).collect()
+}
+
+/// The M-RoPE stream (0 time, 1 height, 2 width) frequency `i` follows: transformers' interleaved layout.
+pub fn mrope_stream(section: &[usize; 3], i: usize) -> usize {
+    if i % 3 == 1 && i < 3 * section[1] {
+        1
+    } else if i % 3 == 2 && i < 3 * section[2] {
+        2
+    } else {
+        0
+    }
+}
+
+/// [`attention_core`] with each token's M-RoPE position `p3[t]` (t, h, w) given; `pos` is still the cache index
+/// of the first token (the causal extent).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_core_at(
+    c: &Config,
+    a: &Attention,
+    kc: &mut Vec<f32>,
+    vc: &mut Vec<f32>,
+    pos: usize,
+    p3: &[[i64; 3]],
+    qg: &[f32],
     mut k: Vec<f32>,
     v: &[f32],
     n: usize,
 ) -> Vec<f32> {
+    assert_eq!(p3.len(), n, "attention: one position per token");
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let mut q = vec![0.0; n * nh * hd];
     let mut gate = vec![0.0; n * nh * hd];
@@ -323,9 +707,16 @@ pub fn attention_core(
     let half = c.rotary_dim / 2;
     let inv_freq: Vec<f32> =
         (0..half).map(|i| 1.0 / (c.rope_theta as f32).powf((2 * i) as f32 / c.rotary_dim as f32)).collect();
+    let stream: Vec<usize> = (0..half).map(|i| mrope_stream(&c.mrope_section, i)).collect();
     for t in 0..n {
-        let p = (pos + t) as f32;
-        let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq.iter().map(|f| ((f * p).cos(), (f * p).sin())).unzip();
+        let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq
+            .iter()
+            .zip(&stream)
+            .map(|(f, &st)| {
+                let p = p3[t][st] as f32;
+                ((f * p).cos(), (f * p).sin())
+            })
+            .unzip();
         let rope = |r: &mut [f32]| {
             for i in 0..half {
                 let (x1, x2) = (r[i], r[i + half]);

@@ -6,10 +6,11 @@ pub mod mlx;
 pub mod quant;
 pub mod random;
 pub mod safetensors;
+pub mod vision;
 pub mod weights;
 
 pub use config::{Config, LayerKind};
-pub use forward::{Logits, State};
+pub use forward::{ImageRows, Logits, MtpPart, Output, State};
 pub use weights::{LoadOptions, Weights};
 
 /// Helpers shared by the tests of this crate and others.

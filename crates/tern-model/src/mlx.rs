@@ -23,6 +23,8 @@ use crate::safetensors::{encode_floats, write, Checkpoint, Dtype, TensorSpec, Te
 
 pub const PREFIX: &str = "language_model.model.";
 pub const LM_HEAD: &str = "language_model.lm_head";
+/// Where tern's mlx layout keeps the official `mtp.*` tensors (under `language_model.`, like every text tensor).
+pub const MTP_PREFIX: &str = "language_model.mtp.";
 
 /// Largest shard the writer produces, like mlx-lm and Hugging Face (5 GB).
 pub const SHARD_BYTES: usize = 5_000_000_000;
@@ -66,57 +68,83 @@ impl Entry {
     }
 }
 
-/// Every text tensor of a config in the mlx layout, in file order.
+/// Every tensor of the main text model of a config in the mlx layout, in file order (the MTP block's are
+/// [`mtp_entries`]).
 pub fn entries(c: &Config) -> Vec<Entry> {
     let h = c.hidden_size;
     let mut v = Vec::new();
-    let mut add = |name: String, shape: Vec<usize>, kind: Kind| v.push(Entry { name, shape, kind });
-    add(format!("{PREFIX}embed_tokens"), vec![c.vocab_size, h], Kind::Linear);
+    v.push(Entry { name: format!("{PREFIX}embed_tokens"), shape: vec![c.vocab_size, h], kind: Kind::Linear });
     for (i, kind) in c.layer_types.iter().enumerate() {
-        let l = format!("{PREFIX}layers.{i}.");
-        add(format!("{l}input_layernorm.weight"), vec![h], Kind::Norm1p);
-        add(format!("{l}post_attention_layernorm.weight"), vec![h], Kind::Norm1p);
-        match kind {
-            LayerKind::Full => {
-                let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                let a = format!("{l}self_attn.");
-                add(format!("{a}q_proj"), vec![nh * hd * 2, h], Kind::Linear);
-                add(format!("{a}k_proj"), vec![nkv * hd, h], Kind::Linear);
-                add(format!("{a}v_proj"), vec![nkv * hd, h], Kind::Linear);
-                add(format!("{a}o_proj"), vec![h, nh * hd], Kind::Linear);
-                add(format!("{a}q_norm.weight"), vec![hd], Kind::Norm1p);
-                add(format!("{a}k_norm.weight"), vec![hd], Kind::Norm1p);
-            }
-            LayerKind::Linear => {
-                let (cd, hv, vd) = (c.linear_conv_dim(), c.linear_num_value_heads, c.linear_value_dim());
-                let g = format!("{l}linear_attn.");
-                add(format!("{g}in_proj_qkv"), vec![cd, h], Kind::Linear);
-                add(format!("{g}in_proj_z"), vec![vd, h], Kind::Linear);
-                add(format!("{g}in_proj_b"), vec![hv, h], Kind::Linear);
-                add(format!("{g}in_proj_a"), vec![hv, h], Kind::Linear);
-                add(format!("{g}conv1d.weight"), vec![cd, c.linear_conv_kernel_dim, 1], Kind::Plain);
-                add(format!("{g}A_log"), vec![hv], Kind::PlainF32);
-                add(format!("{g}dt_bias"), vec![hv], Kind::Plain);
-                add(format!("{g}norm.weight"), vec![c.linear_value_head_dim], Kind::Plain);
-                add(format!("{g}out_proj"), vec![h, vd], Kind::Linear);
-            }
-        }
-        let (e, im, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-        let m = format!("{l}mlp.");
-        add(format!("{m}gate"), vec![e, h], Kind::Linear);
-        add(format!("{m}switch_mlp.gate_proj"), vec![e, im, h], Kind::Linear);
-        add(format!("{m}switch_mlp.up_proj"), vec![e, im, h], Kind::Linear);
-        add(format!("{m}switch_mlp.down_proj"), vec![e, h, im], Kind::Linear);
-        add(format!("{m}shared_expert.gate_proj"), vec![si, h], Kind::Linear);
-        add(format!("{m}shared_expert.up_proj"), vec![si, h], Kind::Linear);
-        add(format!("{m}shared_expert.down_proj"), vec![h, si], Kind::Linear);
-        add(format!("{m}shared_expert_gate"), vec![1, h], Kind::Linear);
+        layer_entries(c, &format!("{PREFIX}layers.{i}."), *kind, &mut v);
     }
-    add(format!("{PREFIX}norm.weight"), vec![h], Kind::Norm1p);
+    v.push(Entry { name: format!("{PREFIX}norm.weight"), shape: vec![h], kind: Kind::Norm1p });
     if !c.tie_word_embeddings {
-        add(LM_HEAD.to_owned(), vec![c.vocab_size, h], Kind::Linear);
+        v.push(Entry { name: LM_HEAD.to_owned(), shape: vec![c.vocab_size, h], kind: Kind::Linear });
     }
     v
+}
+
+/// The tensors of the multi-token-prediction block (model-spec §3.3) in tern's mlx layout: the official
+/// `mtp.*` names under [`MTP_PREFIX`], with the main layers' conventions (experts stacked as
+/// `mlp.switch_mlp.*`, (1+w) norms folded); empty when the config declares no MTP layer. mlx-lm drops these.
+pub fn mtp_entries(c: &Config) -> Vec<Entry> {
+    let h = c.hidden_size;
+    let mut v = Vec::new();
+    if c.mtp_num_hidden_layers == 0 {
+        return v;
+    }
+    v.push(Entry { name: format!("{MTP_PREFIX}fc"), shape: vec![h, 2 * h], kind: Kind::Linear });
+    for n in ["pre_fc_norm_embedding", "pre_fc_norm_hidden"] {
+        v.push(Entry { name: format!("{MTP_PREFIX}{n}.weight"), shape: vec![h], kind: Kind::Norm1p });
+    }
+    for i in 0..c.mtp_num_hidden_layers {
+        layer_entries(c, &format!("{MTP_PREFIX}layers.{i}."), LayerKind::Full, &mut v);
+    }
+    v.push(Entry { name: format!("{MTP_PREFIX}norm.weight"), shape: vec![h], kind: Kind::Norm1p });
+    v
+}
+
+/// The tensors of one decoder layer whose names start with `l`.
+fn layer_entries(c: &Config, l: &str, kind: LayerKind, v: &mut Vec<Entry>) {
+    let h = c.hidden_size;
+    let mut add = |name: String, shape: Vec<usize>, kind: Kind| v.push(Entry { name, shape, kind });
+    add(format!("{l}input_layernorm.weight"), vec![h], Kind::Norm1p);
+    add(format!("{l}post_attention_layernorm.weight"), vec![h], Kind::Norm1p);
+    match kind {
+        LayerKind::Full => {
+            let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+            let a = format!("{l}self_attn.");
+            add(format!("{a}q_proj"), vec![nh * hd * 2, h], Kind::Linear);
+            add(format!("{a}k_proj"), vec![nkv * hd, h], Kind::Linear);
+            add(format!("{a}v_proj"), vec![nkv * hd, h], Kind::Linear);
+            add(format!("{a}o_proj"), vec![h, nh * hd], Kind::Linear);
+            add(format!("{a}q_norm.weight"), vec![hd], Kind::Norm1p);
+            add(format!("{a}k_norm.weight"), vec![hd], Kind::Norm1p);
+        }
+        LayerKind::Linear => {
+            let (cd, hv, vd) = (c.linear_conv_dim(), c.linear_num_value_heads, c.linear_value_dim());
+            let g = format!("{l}linear_attn.");
+            add(format!("{g}in_proj_qkv"), vec![cd, h], Kind::Linear);
+            add(format!("{g}in_proj_z"), vec![vd, h], Kind::Linear);
+            add(format!("{g}in_proj_b"), vec![hv, h], Kind::Linear);
+            add(format!("{g}in_proj_a"), vec![hv, h], Kind::Linear);
+            add(format!("{g}conv1d.weight"), vec![cd, c.linear_conv_kernel_dim, 1], Kind::Plain);
+            add(format!("{g}A_log"), vec![hv], Kind::PlainF32);
+            add(format!("{g}dt_bias"), vec![hv], Kind::Plain);
+            add(format!("{g}norm.weight"), vec![c.linear_value_head_dim], Kind::Plain);
+            add(format!("{g}out_proj"), vec![h, vd], Kind::Linear);
+        }
+    }
+    let (e, im, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+    let m = format!("{l}mlp.");
+    add(format!("{m}gate"), vec![e, h], Kind::Linear);
+    add(format!("{m}switch_mlp.gate_proj"), vec![e, im, h], Kind::Linear);
+    add(format!("{m}switch_mlp.up_proj"), vec![e, im, h], Kind::Linear);
+    add(format!("{m}switch_mlp.down_proj"), vec![e, h, im], Kind::Linear);
+    add(format!("{m}shared_expert.gate_proj"), vec![si, h], Kind::Linear);
+    add(format!("{m}shared_expert.up_proj"), vec![si, h], Kind::Linear);
+    add(format!("{m}shared_expert.down_proj"), vec![h, si], Kind::Linear);
+    add(format!("{m}shared_expert_gate"), vec![1, h], Kind::Linear);
 }
 
 /// The `quantization` object of an mlx config.json: default group size and bits, and per-module overrides
@@ -130,10 +158,13 @@ pub struct QuantSpec {
 
 impl QuantSpec {
     /// mlx-lm's recipe for this model: `bits` everywhere, 8-bit router (`mlp.gate`) and `mlp.shared_expert_gate`
-    /// on every layer.
+    /// on every layer (the MTP block's included).
     pub fn recipe(c: &Config, bits: u32, group_size: usize) -> QuantSpec {
-        let overrides = (0..c.num_layers())
-            .flat_map(|i| ["mlp.gate", "mlp.shared_expert_gate"].map(|m| format!("{PREFIX}layers.{i}.{m}")))
+        let layers = (0..c.num_layers())
+            .map(|i| format!("{PREFIX}layers.{i}."))
+            .chain((0..c.mtp_num_hidden_layers).map(|i| format!("{MTP_PREFIX}layers.{i}.")));
+        let overrides = layers
+            .flat_map(|l| ["mlp.gate", "mlp.shared_expert_gate"].map(|m| format!("{l}{m}")))
             .map(|p| (p, (group_size, 8)))
             .collect();
         QuantSpec { group_size, bits, overrides }
@@ -201,6 +232,11 @@ impl QuantSpec {
 pub trait Values: Sync {
     /// Values of `e` (norms with +1 folded in, conv as `[C, K, 1]`); for stacked experts, expert `expert` only.
     fn values(&self, e: &Entry, expert: usize) -> Result<Vec<f32>>;
+
+    /// Whether these values include the MTP block ([`mtp_entries`]) when the config declares one.
+    fn has_mtp(&self) -> bool {
+        true
+    }
 }
 
 /// An entry as tern stores it: quantised matrices (one per expert), or floats as stored (bf16-rounded unless
@@ -281,7 +317,10 @@ pub fn write_checkpoint(
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg)?)
         .with_context(|| format!("cannot write {}", out.join("config.json").display()))?;
 
-    let ents = entries(&c);
+    let mut ents = entries(&c);
+    if values.has_mtp() {
+        ents.extend(mtp_entries(&c));
+    }
     // Shards by entry, so a quantised module's three tensors stay in one file.
     let mut shards: Vec<Vec<usize>> = vec![vec![]];
     let mut size = 0;
@@ -393,6 +432,9 @@ impl<'a> HfValues<'a> {
 
     /// The HF name of an mlx tensor or module name.
     fn hf(&self, name: &str) -> String {
+        if let Some(rest) = name.strip_prefix(MTP_PREFIX) {
+            return format!("mtp.{rest}");
+        }
         match name.strip_prefix(PREFIX) {
             Some(rest) => format!("{}{rest}", self.prefix),
             None if name == LM_HEAD => "lm_head".into(),
@@ -418,6 +460,10 @@ pub fn check_shape(t: &TensorView, shape: &[usize]) -> Result<()> {
 }
 
 impl Values for HfValues<'_> {
+    fn has_mtp(&self) -> bool {
+        self.ckpt.contains("mtp.fc.weight")
+    }
+
     fn values(&self, e: &Entry, x: usize) -> Result<Vec<f32>> {
         let hf = self.hf(&e.name);
         match e.kind {
@@ -465,7 +511,17 @@ mod tests {
         println!("{} tensors, {bytes} bytes", all.len());
         assert_eq!(all.len(), 1757);
         assert!((19.4e9..19.6e9).contains(&(bytes as f64)), "{bytes}");
-        assert_eq!(spec.to_json().as_object().unwrap().len(), 3 + 2 * c.num_layers());
+        assert_eq!(spec.to_json().as_object().unwrap().len(), 3 + 2 * (c.num_layers() + c.mtp_num_hidden_layers));
+        // The MTP block (model-spec §3.3: 19 official tensors, ≈ 0.84 B parameters): 20 entries (the fused experts
+        // split in two): 13 quantised linears and 7 norms.
+        let mtp = mtp_entries(&c);
+        assert_eq!(mtp.len(), 20);
+        let params: usize = mtp.iter().map(|e| e.shape.iter().product::<usize>()).sum();
+        assert!((0.83e9..0.86e9).contains(&(params as f64)), "{params}");
+        let mtp_specs: Vec<TensorSpec> = mtp.iter().flat_map(|e| specs(e, &spec)).collect();
+        assert_eq!(mtp_specs.len(), 13 * 3 + 7);
+        let router = mtp_specs.iter().find(|s| s.name == format!("{MTP_PREFIX}layers.0.mlp.gate.weight")).unwrap();
+        assert_eq!(router.shape, [256, 2048 * 8 / 32], "8-bit MTP router");
         assert_eq!(QuantSpec::from_config(&json!({ "quantization": spec.to_json() })).unwrap(), Some(spec));
     }
 }

@@ -17,7 +17,7 @@ use crate::safetensors::{encode_floats, write, Dtype, TensorSpec};
 
 /// How a tensor's random values are drawn.
 #[derive(Clone, Copy, Debug)]
-enum Init {
+pub(crate) enum Init {
     /// Normal with this standard deviation.
     Normal(f32),
     /// Uniform in [lo, hi).
@@ -25,65 +25,76 @@ enum Init {
 }
 
 /// The official tensors of a config: name, shape, init. `A_log` and the gated-norm weight are f32 in the
-/// official checkpoints (the flag).
-fn official_tensors(c: &Config) -> Vec<(String, Vec<usize>, Init, bool)> {
+/// official checkpoints (the flag). The MTP block (`mtp.*`, model-spec §3.3) comes last, so that the main
+/// model's values for a seed do not depend on it.
+pub(crate) fn official_tensors(c: &Config) -> Vec<(String, Vec<usize>, Init, bool)> {
     let h = c.hidden_size;
-    let lin = |rows: usize, cols: usize| (vec![rows, cols], Init::Normal(1.0 / (cols as f32).sqrt()));
     let mut t = Vec::new();
     let mut add =
         |name: String, (shape, init): (Vec<usize>, Init), f32_always: bool| t.push((name, shape, init, f32_always));
     let p = "model.language_model.";
     add(format!("{p}embed_tokens.weight"), (vec![c.vocab_size, h], Init::Normal(1.0)), false);
     for (i, kind) in c.layer_types.iter().enumerate() {
-        let l = format!("{p}layers.{i}.");
-        let norm1p = |n: usize| (vec![n], Init::Uniform(-0.5, 0.5));
-        add(format!("{l}input_layernorm.weight"), norm1p(h), false);
-        add(format!("{l}post_attention_layernorm.weight"), norm1p(h), false);
-        match kind {
-            LayerKind::Full => {
-                let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-                add(format!("{l}self_attn.q_proj.weight"), lin(nh * hd * 2, h), false);
-                add(format!("{l}self_attn.k_proj.weight"), lin(nkv * hd, h), false);
-                add(format!("{l}self_attn.v_proj.weight"), lin(nkv * hd, h), false);
-                add(format!("{l}self_attn.o_proj.weight"), lin(h, nh * hd), false);
-                add(format!("{l}self_attn.q_norm.weight"), norm1p(hd), false);
-                add(format!("{l}self_attn.k_norm.weight"), norm1p(hd), false);
-            }
-            LayerKind::Linear => {
-                let (hv, kk) = (c.linear_num_value_heads, c.linear_conv_kernel_dim);
-                add(format!("{l}linear_attn.in_proj_qkv.weight"), lin(c.linear_conv_dim(), h), false);
-                add(format!("{l}linear_attn.in_proj_z.weight"), lin(c.linear_value_dim(), h), false);
-                add(format!("{l}linear_attn.in_proj_b.weight"), lin(hv, h), false);
-                add(format!("{l}linear_attn.in_proj_a.weight"), lin(hv, h), false);
-                add(
-                    format!("{l}linear_attn.conv1d.weight"),
-                    (vec![c.linear_conv_dim(), 1, kk], Init::Normal(0.5)),
-                    false,
-                );
-                add(format!("{l}linear_attn.A_log"), (vec![hv], Init::Uniform(-1.5, 0.5)), true);
-                add(format!("{l}linear_attn.dt_bias"), (vec![hv], Init::Uniform(-1.0, 1.0)), false);
-                add(
-                    format!("{l}linear_attn.norm.weight"),
-                    (vec![c.linear_value_head_dim], Init::Uniform(0.5, 1.5)),
-                    true,
-                );
-                add(format!("{l}linear_attn.out_proj.weight"), lin(h, c.linear_value_dim()), false);
-            }
-        }
-        let (e, im, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-        add(format!("{l}mlp.gate.weight"), (vec![e, h], Init::Normal(2.0 / (h as f32).sqrt())), false);
-        add(format!("{l}mlp.experts.gate_up_proj"), (vec![e, 2 * im, h], Init::Normal(1.0 / (h as f32).sqrt())), false);
-        add(format!("{l}mlp.experts.down_proj"), (vec![e, h, im], Init::Normal(1.0 / (im as f32).sqrt())), false);
-        add(format!("{l}mlp.shared_expert.gate_proj.weight"), lin(si, h), false);
-        add(format!("{l}mlp.shared_expert.up_proj.weight"), lin(si, h), false);
-        add(format!("{l}mlp.shared_expert.down_proj.weight"), lin(h, si), false);
-        add(format!("{l}mlp.shared_expert_gate.weight"), lin(1, h), false);
+        layer_tensors(c, &format!("{p}layers.{i}."), *kind, &mut add);
     }
     add(format!("{p}norm.weight"), (vec![h], Init::Uniform(-0.5, 0.5)), false);
     if !c.tie_word_embeddings {
         add("lm_head.weight".into(), lin(c.vocab_size, h), false);
     }
+    if c.mtp_num_hidden_layers > 0 {
+        add("mtp.fc.weight".into(), lin(h, 2 * h), false);
+        add("mtp.pre_fc_norm_embedding.weight".into(), (vec![h], Init::Uniform(-0.5, 0.5)), false);
+        add("mtp.pre_fc_norm_hidden.weight".into(), (vec![h], Init::Uniform(-0.5, 0.5)), false);
+        for i in 0..c.mtp_num_hidden_layers {
+            layer_tensors(c, &format!("mtp.layers.{i}."), LayerKind::Full, &mut add);
+        }
+        add("mtp.norm.weight".into(), (vec![h], Init::Uniform(-0.5, 0.5)), false);
+    }
     t
+}
+
+/// A linear `[rows, cols]` at unit gain.
+fn lin(rows: usize, cols: usize) -> (Vec<usize>, Init) {
+    (vec![rows, cols], Init::Normal(1.0 / (cols as f32).sqrt()))
+}
+
+/// The tensors of one decoder layer whose names start with `l`.
+fn layer_tensors(c: &Config, l: &str, kind: LayerKind, add: &mut impl FnMut(String, (Vec<usize>, Init), bool)) {
+    let h = c.hidden_size;
+    let norm1p = |n: usize| (vec![n], Init::Uniform(-0.5, 0.5));
+    add(format!("{l}input_layernorm.weight"), norm1p(h), false);
+    add(format!("{l}post_attention_layernorm.weight"), norm1p(h), false);
+    match kind {
+        LayerKind::Full => {
+            let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+            add(format!("{l}self_attn.q_proj.weight"), lin(nh * hd * 2, h), false);
+            add(format!("{l}self_attn.k_proj.weight"), lin(nkv * hd, h), false);
+            add(format!("{l}self_attn.v_proj.weight"), lin(nkv * hd, h), false);
+            add(format!("{l}self_attn.o_proj.weight"), lin(h, nh * hd), false);
+            add(format!("{l}self_attn.q_norm.weight"), norm1p(hd), false);
+            add(format!("{l}self_attn.k_norm.weight"), norm1p(hd), false);
+        }
+        LayerKind::Linear => {
+            let (hv, kk) = (c.linear_num_value_heads, c.linear_conv_kernel_dim);
+            add(format!("{l}linear_attn.in_proj_qkv.weight"), lin(c.linear_conv_dim(), h), false);
+            add(format!("{l}linear_attn.in_proj_z.weight"), lin(c.linear_value_dim(), h), false);
+            add(format!("{l}linear_attn.in_proj_b.weight"), lin(hv, h), false);
+            add(format!("{l}linear_attn.in_proj_a.weight"), lin(hv, h), false);
+            add(format!("{l}linear_attn.conv1d.weight"), (vec![c.linear_conv_dim(), 1, kk], Init::Normal(0.5)), false);
+            add(format!("{l}linear_attn.A_log"), (vec![hv], Init::Uniform(-1.5, 0.5)), true);
+            add(format!("{l}linear_attn.dt_bias"), (vec![hv], Init::Uniform(-1.0, 1.0)), false);
+            add(format!("{l}linear_attn.norm.weight"), (vec![c.linear_value_head_dim], Init::Uniform(0.5, 1.5)), true);
+            add(format!("{l}linear_attn.out_proj.weight"), lin(h, c.linear_value_dim()), false);
+        }
+    }
+    let (e, im, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+    add(format!("{l}mlp.gate.weight"), (vec![e, h], Init::Normal(2.0 / (h as f32).sqrt())), false);
+    add(format!("{l}mlp.experts.gate_up_proj"), (vec![e, 2 * im, h], Init::Normal(1.0 / (h as f32).sqrt())), false);
+    add(format!("{l}mlp.experts.down_proj"), (vec![e, h, im], Init::Normal(1.0 / (im as f32).sqrt())), false);
+    add(format!("{l}mlp.shared_expert.gate_proj.weight"), lin(si, h), false);
+    add(format!("{l}mlp.shared_expert.up_proj.weight"), lin(si, h), false);
+    add(format!("{l}mlp.shared_expert.down_proj.weight"), lin(h, si), false);
+    add(format!("{l}mlp.shared_expert_gate.weight"), lin(1, h), false);
 }
 
 /// A small, fast, seedable generator (splitmix64) with uniform and normal draws.
@@ -255,4 +266,53 @@ pub fn copy_tokenizer_files(src: &Path, out: &Path) -> Result<()> {
         bail!("--tokenizer-from {}: no tokenizer files there", src.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The real config's MTP block in the official names and shapes (model-spec §3.3: 19 tensors).
+    #[test]
+    fn real_config_mtp_tensors_have_the_official_names_and_shapes() {
+        let Some(dir) = crate::testutil::qwen_dir() else {
+            println!("SKIPPED: real_config_mtp_tensors_have_the_official_names_and_shapes: TERN_QWEN_DIR not set");
+            return;
+        };
+        let c = Config::from_dir(&dir).unwrap();
+        let mtp: Vec<(String, Vec<usize>)> = official_tensors(&c)
+            .into_iter()
+            .filter(|t| t.0.starts_with("mtp."))
+            .map(|(n, s, _, f32_always)| {
+                assert!(!f32_always, "{n}");
+                (n, s)
+            })
+            .collect();
+        let want: Vec<(&str, Vec<usize>)> = vec![
+            ("mtp.fc.weight", vec![2048, 4096]),
+            ("mtp.pre_fc_norm_embedding.weight", vec![2048]),
+            ("mtp.pre_fc_norm_hidden.weight", vec![2048]),
+            ("mtp.layers.0.input_layernorm.weight", vec![2048]),
+            ("mtp.layers.0.post_attention_layernorm.weight", vec![2048]),
+            ("mtp.layers.0.self_attn.q_proj.weight", vec![8192, 2048]),
+            ("mtp.layers.0.self_attn.k_proj.weight", vec![512, 2048]),
+            ("mtp.layers.0.self_attn.v_proj.weight", vec![512, 2048]),
+            ("mtp.layers.0.self_attn.o_proj.weight", vec![2048, 4096]),
+            ("mtp.layers.0.self_attn.q_norm.weight", vec![256]),
+            ("mtp.layers.0.self_attn.k_norm.weight", vec![256]),
+            ("mtp.layers.0.mlp.gate.weight", vec![256, 2048]),
+            ("mtp.layers.0.mlp.experts.gate_up_proj", vec![256, 1024, 2048]),
+            ("mtp.layers.0.mlp.experts.down_proj", vec![256, 2048, 512]),
+            ("mtp.layers.0.mlp.shared_expert.gate_proj.weight", vec![512, 2048]),
+            ("mtp.layers.0.mlp.shared_expert.up_proj.weight", vec![512, 2048]),
+            ("mtp.layers.0.mlp.shared_expert.down_proj.weight", vec![2048, 512]),
+            ("mtp.layers.0.mlp.shared_expert_gate.weight", vec![1, 2048]),
+            ("mtp.norm.weight", vec![2048]),
+        ];
+        let mut got = mtp.clone();
+        got.sort();
+        let mut want: Vec<(String, Vec<usize>)> = want.into_iter().map(|(n, s)| (n.to_owned(), s)).collect();
+        want.sort();
+        assert_eq!(got, want);
+    }
 }

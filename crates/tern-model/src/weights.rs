@@ -6,7 +6,9 @@
 //!   experts; see [`crate::mlx::HfValues`]): as f32 (the reference oracle), or with [`LoadOptions::quantize`]
 //!   quantised on load by the same conversion as `tern quantize` ([`crate::mlx::convert`]).
 //!
-//! `model.visual.*` and `mtp.*` are not read. Norm weights are stored as the gain the norm multiplies by (the
+//! `model.visual.*` (the vision tower, [`crate::vision`]) is read in f32 when present; the multi-token-prediction block (`mtp.*`, [`Mtp`]) is read when the checkpoint
+//! has it (the official bf16 one does; mlx-community's 4-bit ones drop it, and the load then says so in one
+//! line). Norm weights are stored as the gain the norm multiplies by (the
 //! (1+w) norms with their +1 folded in).
 
 use std::path::Path;
@@ -19,7 +21,7 @@ use rayon::prelude::*;
 use serde_json::Value;
 
 use crate::config::{Config, LayerKind};
-use crate::mlx::{self, check_shape, convert, Entry, HfValues, QuantSpec, Stored, Values, LM_HEAD, PREFIX};
+use crate::mlx::{self, check_shape, convert, Entry, HfValues, QuantSpec, Stored, Values, LM_HEAD, MTP_PREFIX, PREFIX};
 use crate::quant::{QuantMatrix, Slab};
 use crate::safetensors::{Checkpoint, Dtype};
 
@@ -200,6 +202,21 @@ pub struct Layer {
     pub moe: Moe,
 }
 
+/// The multi-token-prediction block (model-spec §3.3, vLLM `qwen3_5_mtp.py`): it shares `embed` and `lm_head`
+/// with the main model. See [`crate::forward`] for its forward pass.
+#[derive(Clone)]
+pub struct Mtp {
+    /// `[hidden, 2 * hidden]` over `[pre_fc_norm_embedding(embed(next id)) ; pre_fc_norm_hidden(hidden)]`.
+    pub fc: Linear,
+    /// (1+w) gains.
+    pub pre_fc_norm_embedding: Vec<f32>,
+    pub pre_fc_norm_hidden: Vec<f32>,
+    /// One full-attention decoder layer with its MoE (`mtp.layers.0`).
+    pub layer: Layer,
+    /// The (1+w) final norm of the branch, before the shared lm_head.
+    pub norm: Vec<f32>,
+}
+
 #[derive(Clone)]
 pub struct Weights {
     pub config: Config,
@@ -209,6 +226,11 @@ pub struct Weights {
     pub norm: Vec<f32>,
     /// `[vocab, hidden]`.
     pub lm_head: Linear,
+    /// The MTP block, when the checkpoint has one (see [`Weights::mtp_off_reason`]).
+    pub mtp: Option<Mtp>,
+    /// The vision tower (f32), when the checkpoint has `model.visual.*` (or `visual.*`) tensors and its config a
+    /// `vision_config`; see [`crate::vision`].
+    pub vision: Option<crate::vision::Vision>,
 }
 
 /// How [`Weights::load_with`] treats an unquantised (Hugging Face) checkpoint.
@@ -232,12 +254,31 @@ impl Weights {
         let config = Config::from_json(&json).with_context(|| format!("in {}", path.display()))?;
         let spec = QuantSpec::from_config(&json).with_context(|| format!("in {}", path.display()))?;
         let ckpt = Checkpoint::open(dir)?;
-        if ckpt.contains(&format!("{PREFIX}embed_tokens.weight")) {
-            return Weights::build(config, &Source::Mlx { ckpt: &ckpt, spec });
+        let vision_config =
+            crate::vision::VisionConfig::from_json(&json).with_context(|| format!("in {}", path.display()))?;
+        let mut w = if ckpt.contains(&format!("{PREFIX}embed_tokens.weight")) {
+            Weights::build(config, &Source::Mlx { ckpt: &ckpt, spec })?
+        } else {
+            let values = HfValues::new(&ckpt)?;
+            let spec = opts.quantize.then(|| QuantSpec::q4(&config));
+            Weights::from_values(config, &values, spec.as_ref())?
+        };
+        if let (Some(vc), Some(prefix)) = (vision_config, crate::vision::vision_prefix(&ckpt)) {
+            w.vision = Some(crate::vision::Vision::load(&ckpt, prefix, vc)?);
         }
-        let values = HfValues::new(&ckpt)?;
-        let spec = opts.quantize.then(|| QuantSpec::q4(&config));
-        Weights::from_values(config, &values, spec.as_ref())
+        if let Some(why) = w.mtp_off_reason() {
+            eprintln!("tern: {}: multi-token prediction off: {why}", dir.display());
+        }
+        Ok(w)
+    }
+
+    /// Why this model has no MTP block, or `None` when it has one.
+    pub fn mtp_off_reason(&self) -> Option<String> {
+        match &self.mtp {
+            Some(_) => None,
+            // The config's reason if it has one, else the tensors were missing.
+            None => mtp_off(&self.config, true).or_else(|| mtp_off(&self.config, false)),
+        }
     }
 
     /// Weights from f32 values (an HF checkpoint, random values), stored as `spec` says (`None`: all f32).
@@ -252,10 +293,14 @@ impl Weights {
         w
     }
 
-    /// Every linear of the model (embedding and lm_head included).
+    /// Every linear of the model (embedding, lm_head and the MTP block's included).
     pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
         let mut v = vec![&mut self.embed, &mut self.lm_head];
-        for l in &mut self.layers {
+        let mtp = self.mtp.as_mut().map(|m| {
+            v.push(&mut m.fc);
+            &mut m.layer
+        });
+        for l in self.layers.iter_mut().chain(mtp) {
             match &mut l.mixer {
                 Mixer::Attention(a) => v.extend([&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj]),
                 Mixer::DeltaNet(g) => v.extend([
@@ -276,14 +321,48 @@ impl Weights {
     }
 
     fn build(config: Config, src: &Source) -> Result<Weights> {
-        let ld = Loader { src, entries: mlx::entries(&config).into_iter().map(|e| (e.name.clone(), e)).collect() };
+        let all = mlx::entries(&config).into_iter().chain(mlx::mtp_entries(&config));
+        let ld = Loader { src, entries: all.map(|e| (e.name.clone(), e)).collect() };
         let c = &config;
         let embed = ld.linear(&format!("{PREFIX}embed_tokens"))?;
         let norm = ld.vector(&format!("{PREFIX}norm.weight"))?;
         let lm_head = if c.tie_word_embeddings { embed.clone() } else { ld.linear(LM_HEAD)? };
-        let layers = (0..c.num_layers()).map(|i| load_layer(&ld, c, i)).collect::<Result<Vec<_>>>()?;
-        Ok(Weights { config, embed, layers, norm, lm_head })
+        let layers = (0..c.num_layers())
+            .map(|i| load_layer(&ld, &format!("{PREFIX}layers.{i}."), c.layer_types[i]))
+            .collect::<Result<Vec<_>>>()?;
+        let has_mtp = match src {
+            Source::Mlx { ckpt, .. } => ckpt.contains(&format!("{MTP_PREFIX}fc.weight")),
+            Source::Values { values, .. } => values.has_mtp(),
+        };
+        let mtp = match mtp_off(c, has_mtp) {
+            Some(_) => None,
+            None => Some(Mtp {
+                fc: ld.linear(&format!("{MTP_PREFIX}fc"))?,
+                pre_fc_norm_embedding: ld.vector(&format!("{MTP_PREFIX}pre_fc_norm_embedding.weight"))?,
+                pre_fc_norm_hidden: ld.vector(&format!("{MTP_PREFIX}pre_fc_norm_hidden.weight"))?,
+                layer: load_layer(&ld, &format!("{MTP_PREFIX}layers.0."), LayerKind::Full)?,
+                norm: ld.vector(&format!("{MTP_PREFIX}norm.weight"))?,
+            }),
+        };
+        Ok(Weights { config, embed, layers, norm, lm_head, mtp, vision: None })
     }
+}
+
+/// Why the MTP block of `c` is not used (`has_tensors`: the checkpoint has `mtp.fc`), or `None` when it is.
+fn mtp_off(c: &Config, has_tensors: bool) -> Option<String> {
+    if c.mtp_num_hidden_layers == 0 {
+        return Some("config.json declares no MTP layer (mtp_num_hidden_layers)".into());
+    }
+    if !has_tensors {
+        return Some("the checkpoint has no mtp.* tensors (mlx-community checkpoints drop them)".into());
+    }
+    if c.mtp_num_hidden_layers != 1 {
+        return Some(format!("mtp_num_hidden_layers is {}; tern runs exactly one MTP layer", c.mtp_num_hidden_layers));
+    }
+    if c.mtp_use_dedicated_embeddings {
+        return Some("mtp_use_dedicated_embeddings is set; tern's MTP shares embed_tokens".into());
+    }
+    None
 }
 
 /// Where the loader gets each tensor.
@@ -380,11 +459,11 @@ impl Loader<'_> {
     }
 }
 
-fn load_layer(ld: &Loader, c: &Config, i: usize) -> Result<Layer> {
-    let p = format!("{PREFIX}layers.{i}.");
+/// The decoder layer whose tensor names start with `p` (a main layer, or the MTP block's).
+fn load_layer(ld: &Loader, p: &str, kind: LayerKind) -> Result<Layer> {
     let lin = |rel: &str| ld.linear(&format!("{p}{rel}"));
     let vec = |rel: &str| ld.vector(&format!("{p}{rel}"));
-    let mixer = match c.layer_types[i] {
+    let mixer = match kind {
         LayerKind::Full => Mixer::Attention(Attention {
             q_proj: lin("self_attn.q_proj")?,
             k_proj: lin("self_attn.k_proj")?,

@@ -4,18 +4,22 @@
 //! A request is translated into a chat request (system, messages of text / `tool_use` / `tool_result` /
 //! `thinking` blocks, tools with their `input_schema`, `tool_choice` auto / any / tool / none and
 //! `disable_parallel_tool_use`, `stop_sequences`, temperature, top_p, top_k, `thinking` enabled with its
-//! `budget_tokens` or disabled) and generated as one; the reply comes back as content blocks (`thinking` from the
-//! model's reasoning, `text`, `tool_use`) with `stop_reason` end_turn / max_tokens / stop_sequence / tool_use.
-//! Streaming sends `message_start`, `ping`, then per block `content_block_start`, its deltas (`thinking_delta`,
-//! `text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta` (stop reason, output tokens)
-//! and `message_stop`. Errors are `{"type": "error", "error": {"type", "message"}}` (reshaped in `reqlog`).
+//! `budget_tokens` or disabled: without `thinking` the model does not think, and thinking with a forced tool is a
+//! 400, as in Anthropic's API; a last assistant message is continued) and generated as one; the reply comes back
+//! as content blocks (`thinking` from the model's reasoning, with a `signature`; `text`, `tool_use`) with
+//! `stop_reason` end_turn / max_tokens / stop_sequence / tool_use.
+//! Streaming sends `message_start`, `ping`, then per block `content_block_start`, its deltas (`thinking_delta`
+//! then a `signature_delta`, `text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta`
+//! (stop reason, output tokens) and `message_stop`. Errors are `{"type": "error", "error": {"type", "message"}}` (reshaped in `reqlog`).
 //!
 //! The server serves one model: any `model` name is accepted (Claude Code asks for its own model names).
+
+use std::hash::{DefaultHasher, Hasher};
 
 use serde_json::{json, Map, Value};
 use tern_engine::{FinishReason, TokenLogprob, Usage};
 
-use crate::api::{clip, ApiError, Body, ChatExtras};
+use crate::api::{clip, ApiError, Body, ChatExtras, MAX_STOP_BYTES, MAX_STOP_SEQUENCES};
 use crate::generate::{sse_named, ChoiceEnd, Collected, Meta, Piece, Writer};
 
 const FIELDS: &[&str] = &[
@@ -78,14 +82,22 @@ fn check_fields(b: &Body, known: &[&str]) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The `text` of text block `blk` (a 400 naming it when it has none, as Anthropic's API answers).
+fn block_text<'a>(blk: &'a Value, param: &str) -> Result<&'a str, ApiError> {
+    blk.get("text")
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid(&format!("{param}.text"), format!("{param}.text: a text block needs a 'text' string")))
+}
+
 /// The text of a `content` that is a string or a list of text blocks.
 fn text_of(v: &Value, param: &str) -> Result<String, ApiError> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Array(blocks) => blocks
             .iter()
-            .map(|b| match (b.get("type").and_then(Value::as_str), b.get("text").and_then(Value::as_str)) {
-                (Some("text"), Some(t)) => Ok(t),
+            .enumerate()
+            .map(|(j, b)| match b.get("type").and_then(Value::as_str) {
+                Some("text") => block_text(b, &format!("{param}.{j}")),
                 _ => Err(invalid(param, "only text blocks are supported here")),
             })
             .collect(),
@@ -120,9 +132,9 @@ fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
         match role {
             Some("user") => {
                 let mut text = String::new();
-                for blk in &blocks {
+                for (j, blk) in blocks.iter().enumerate() {
                     match blk.get("type").and_then(Value::as_str) {
-                        Some("text") => text += blk.get("text").and_then(Value::as_str).unwrap_or_default(),
+                        Some("text") => text += block_text(blk, &format!("{param}.content.{j}"))?,
                         Some("tool_result") => {
                             let id = blk.get("tool_use_id").and_then(Value::as_str).unwrap_or_default();
                             let mut content = text_of(blk.get("content").unwrap_or(&Value::Null), &param)?;
@@ -143,9 +155,9 @@ fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
             }
             Some("assistant") => {
                 let (mut text, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
-                for blk in &blocks {
+                for (j, blk) in blocks.iter().enumerate() {
                     match blk.get("type").and_then(Value::as_str) {
-                        Some("text") => text += blk.get("text").and_then(Value::as_str).unwrap_or_default(),
+                        Some("text") => text += block_text(blk, &format!("{param}.content.{j}"))?,
                         Some("thinking") => {
                             reasoning += blk.get("thinking").and_then(Value::as_str).unwrap_or_default()
                         }
@@ -174,11 +186,50 @@ fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
     Ok(out)
 }
 
+/// `stop_sequences`: a list of up to [`MAX_STOP_SEQUENCES`] strings of 1 to [`MAX_STOP_BYTES`] bytes.
+fn stop_sequences(v: &Value) -> Result<Vec<String>, ApiError> {
+    let bad = || {
+        invalid(
+            "stop_sequences",
+            format!(
+                "'stop_sequences' must be a list of up to {MAX_STOP_SEQUENCES} strings, each of 1 to {MAX_STOP_BYTES} \
+                 bytes"
+            ),
+        )
+    };
+    let Value::Array(list) = v else { return Err(bad()) };
+    if list.len() > MAX_STOP_SEQUENCES {
+        return Err(bad());
+    }
+    list.iter()
+        .map(|s| s.as_str().filter(|s| !s.is_empty() && s.len() <= MAX_STOP_BYTES).map(str::to_owned).ok_or_else(bad))
+        .collect()
+}
+
 /// Translate an Anthropic request into a chat request (and what only Anthropic has).
+///
+/// As in Anthropic's API, the model thinks only when `thinking` enables it (no `thinking`: the chat template's
+/// `enable_thinking` false), thinking cannot be combined with a forced tool (`tool_choice` `any` or `tool`), and a
+/// last message of the assistant's is continued (prefill).
 pub(crate) fn to_chat(b: &Body, count_only: bool) -> Result<(Body, ChatExtras), ApiError> {
     check_fields(b, if count_only { COUNT_FIELDS } else { FIELDS })?;
     let mut chat = Map::new();
-    chat.insert("messages".into(), Value::Array(messages(b)?));
+    let messages = messages(b)?;
+    // Prefill: a last assistant message with text (and no tool call) is continued, not closed.
+    let prefill = b
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| m.last())
+        .is_some_and(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+        && messages.last().is_some_and(|m| {
+            m.get("tool_calls").is_none()
+                && m.get("content").and_then(Value::as_str).is_some_and(|t| !t.trim().is_empty())
+        });
+    if prefill {
+        chat.insert("continue_final_message".into(), true.into());
+    }
+    chat.insert("messages".into(), Value::Array(messages));
+    let mut extras = ChatExtras::default();
     if !count_only {
         let max = b.get("max_tokens").ok_or_else(|| invalid("max_tokens", "'max_tokens' is required"))?;
         chat.insert("max_tokens".into(), max.clone());
@@ -191,10 +242,7 @@ pub(crate) fn to_chat(b: &Body, count_only: bool) -> Result<(Body, ChatExtras), 
             chat.insert("temperature".into(), t.into());
         }
         if let Some(s) = b.get("stop_sequences") {
-            if !s.is_array() {
-                return Err(invalid("stop_sequences", "'stop_sequences' must be a list of strings"));
-            }
-            chat.insert("stop".into(), s.clone());
+            extras.stop_strings = Some(stop_sequences(s)?);
         }
     }
     if let Some(tools) = b.get("tools") {
@@ -215,7 +263,9 @@ pub(crate) fn to_chat(b: &Body, count_only: bool) -> Result<(Body, ChatExtras), 
         }
         chat.insert("tools".into(), Value::Array(out));
     }
+    let mut forced = false;
     if let Some(choice) = b.object("tool_choice")? {
+        forced = matches!(choice.str("type")?, Some("any" | "tool"));
         let v = match choice.str("type")? {
             Some("auto") => json!("auto"),
             Some("any") => json!("required"),
@@ -246,20 +296,27 @@ pub(crate) fn to_chat(b: &Body, count_only: bool) -> Result<(Body, ChatExtras), 
             }
         }
     }
-    let mut extras = ChatExtras::default();
+    let mut thinking = false;
     if let Some(t) = b.object("thinking")? {
-        let on = match t.str("type")? {
+        thinking = match t.str("type")? {
             Some("enabled" | "adaptive" | "between_tools") => true,
             Some("disabled") => false,
             _ => return Err(invalid("thinking", "'thinking.type' must be enabled, adaptive or disabled")),
         };
-        if on {
+        if thinking {
             if let Some(budget) = t.int("budget_tokens", 1, i64::from(u32::MAX))? {
                 extras.reasoning_budget = Some(budget as usize);
             }
         }
-        chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": on}));
     }
+    if thinking && forced {
+        return Err(invalid(
+            "tool_choice",
+            "Thinking may not be enabled when tool_choice forces tool use: use tool_choice 'auto' or 'none', or \
+             disable thinking",
+        ));
+    }
+    chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": thinking}));
     Ok((Body(chat), extras))
 }
 
@@ -290,19 +347,38 @@ enum Block {
     Tool,
 }
 
+/// The `signature` of a thinking block whose text hashed to `h`. Anthropic's clients expect one (streamed as a
+/// `signature_delta` before the block's end) and send it back with the block; tern does not check it. Streamed
+/// and not, the same text gets the same signature.
+fn signature(h: &DefaultHasher) -> String {
+    format!("tern{:016x}", h.finish())
+}
+
+fn signature_of(text: &str) -> String {
+    let mut h = DefaultHasher::new();
+    h.write(text.as_bytes());
+    signature(&h)
+}
+
 /// `/v1/messages`.
 #[derive(Default)]
 pub(crate) struct MessagesWriter {
     /// The open block and its index; blocks so far.
     open: Option<Block>,
     blocks: usize,
+    /// The open thinking block's text, hashed for its signature.
+    thinking: DefaultHasher,
 }
 
 impl MessagesWriter {
     fn stop_block(&mut self) -> String {
         match self.open.take() {
-            Some(_) => {
-                sse_named("content_block_stop", &json!({"type": "content_block_stop", "index": self.blocks - 1}))
+            Some(kind) => {
+                let mut out = String::new();
+                if kind == Block::Thinking {
+                    out += &self.delta(json!({"type": "signature_delta", "signature": signature(&self.thinking)}));
+                }
+                out + &sse_named("content_block_stop", &json!({"type": "content_block_stop", "index": self.blocks - 1}))
             }
             None => String::new(),
         }
@@ -344,7 +420,9 @@ impl Writer for MessagesWriter {
                 if self.open != Some(Block::Thinking) {
                     out += &self
                         .start_block(Block::Thinking, json!({"type": "thinking", "thinking": "", "signature": ""}));
+                    self.thinking = DefaultHasher::new();
                 }
+                self.thinking.write(s.as_bytes());
                 out + &self.delta(json!({"type": "thinking_delta", "thinking": s}))
             }
             Piece::Content(s) => {
@@ -406,6 +484,9 @@ impl Writer for MessagesWriter {
                 }
                 Piece::CallArgs { .. } | Piece::CallEnd => {}
             }
+        }
+        for b in content.iter_mut().filter(|b| b["type"] == "thinking") {
+            b["signature"] = signature_of(b["thinking"].as_str().unwrap_or_default()).into();
         }
         let (reason, stop) = c.end.as_ref().map_or(("end_turn", None), |e| (stop_reason(e), e.stop_string.clone()));
         json!({"id": m.id, "type": "message", "role": "assistant", "model": m.model, "content": content,

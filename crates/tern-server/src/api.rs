@@ -4,9 +4,10 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use tern_engine::{Constraint, EngineConfig, Request, SubmitError};
-use tern_text::{ChatOptions, Reply, SamplingParams, Spec, TOOL_CALL_END_ID};
+use tern_engine::{EngineConfig, Request, SubmitError};
+use tern_text::{ChatOptions, Rendered, Reply, SamplingParams, Spec, TOOL_CALL_END_ID};
 
+use crate::grammar::{self, PendingConstraint};
 use crate::Ready;
 
 /// An OpenAI-style error response.
@@ -198,6 +199,8 @@ pub(crate) struct Job {
     pub chat: Option<ChatOutput>,
     /// The field holding the prompt (`messages` or `prompt`), for errors about it.
     pub prompt_param: String,
+    /// The constraint of every request, checked, to compile before they are submitted (see [`grammar`]).
+    pub constraint: Option<PendingConstraint>,
 }
 
 /// How chat output is parsed.
@@ -213,6 +216,8 @@ pub(crate) struct ChatOutput {
 pub(crate) struct ChatExtras {
     /// With thinking: force `</think>` after this many reasoning tokens (Anthropic's `budget_tokens`).
     pub reasoning_budget: Option<usize>,
+    /// Stop strings validated by the front end under its own name and bounds (Anthropic's `stop_sequences`).
+    pub stop_strings: Option<Vec<String>>,
 }
 
 /// 404 unless `model` is absent or names the served model.
@@ -235,6 +240,9 @@ pub(crate) const MAX_LOGIT_BIAS: usize = 1024;
 /// Most stop strings, and bytes in each (each is matched against the output at every token).
 pub(crate) const MAX_STOP_STRINGS: usize = 16;
 pub(crate) const MAX_STOP_BYTES: usize = 512;
+/// Most of Anthropic's `stop_sequences` (Anthropic documents no limit; matching one costs a few compares of the
+/// bytes held back at each token, so a few hundred stay cheap).
+pub(crate) const MAX_STOP_SEQUENCES: usize = 256;
 /// Most alternatives per token (`top_logprobs`, or `logprobs` of /v1/completions).
 pub(crate) const MAX_LOGPROBS: i64 = 20;
 /// Most choices of one prompt (`n`), and choices of one request in all (prompts × n).
@@ -270,7 +278,10 @@ pub(crate) const CHAT_FIELDS: &[&str] = &[
     "parallel_tool_calls",
     "chat_template_kwargs",
     "add_generation_prompt",
+    "continue_final_message",
     "reasoning_effort",
+    "ignore_eos",
+    "min_tokens",
 ];
 pub(crate) const COMPLETION_FIELDS: &[&str] = &[
     "model",
@@ -294,6 +305,8 @@ pub(crate) const COMPLETION_FIELDS: &[&str] = &[
     "best_of",
     "response_format",
     "grammar",
+    "ignore_eos",
+    "min_tokens",
 ];
 /// Accepted everywhere and ignored: they describe the request, not the reply.
 const BOOKKEEPING: &[&str] = &["user", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "store"];
@@ -339,6 +352,10 @@ struct Options {
     max_tokens: Option<(usize, &'static str)>,
     n: usize,
     format: Format,
+    /// vLLM's `ignore_eos`: the model's end-of-text ids do not end the reply (max_tokens or the context does).
+    ignore_eos: bool,
+    /// vLLM's `min_tokens`: no stop id or stop string ends the reply before this many tokens.
+    min_tokens: usize,
 }
 
 pub(crate) fn chat_job(r: &Ready, b: &Body, extras: &ChatExtras) -> Result<Job, ApiError> {
@@ -348,12 +365,17 @@ pub(crate) fn chat_job(r: &Ready, b: &Body, extras: &ChatExtras) -> Result<Job, 
         (_, Some(_)) => return Err(ApiError::invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")),
         _ => None,
     };
-    let max = match b.get("max_completion_tokens") {
-        Some(_) => max_tokens(b, "max_completion_tokens")?,
-        None => max_tokens(b, "max_tokens")?,
+    // (max_output_tokens: the Responses API's, which reaches here under its own name)
+    let max = match (b.get("max_completion_tokens"), b.get("max_output_tokens")) {
+        (Some(_), _) => max_tokens(b, "max_completion_tokens")?,
+        (None, Some(_)) => max_tokens(b, "max_output_tokens")?,
+        (None, None) => max_tokens(b, "max_tokens")?,
     };
     let mut opts = options(r, b, logprobs, max)?;
-    let (text, chat, tools) = render_chat(r, b)?;
+    if let Some(stop) = &extras.stop_strings {
+        opts.stop_strings = stop.clone();
+    }
+    let (rendered, chat, tools) = render_chat(r, b)?;
     let mut stop_ids = r.stop_ids.clone();
     if let Some(Forced { parallel: false, forced: false, .. }) = &tools {
         // parallel_tool_calls false: the reply ends with the first call.
@@ -375,8 +397,18 @@ pub(crate) fn chat_job(r: &Ready, b: &Body, extras: &ChatExtras) -> Result<Job, 
     let needs = spec.is_some() || (chat.thinking && extras.reasoning_budget.is_some());
     let constraint = if needs { Some(constraint(r, spec.as_ref(), &reply)?) } else { None };
     opts.format = Format::Text;
-    let prompt = encode_prompt(r, &text, "messages")?;
+    let prompt = encode_chat(r, &rendered)?;
+    let stop_ids = reply_stop_ids(r, &opts, stop_ids);
     job(r, opts, vec![(prompt, String::new())], "messages", Some(chat), constraint, stop_ids)
+}
+
+/// The ids that end a reply: without `ignore_eos` all of `stop_ids`, with it those that are not the model's
+/// end-of-text ids (a reply limited to one tool call still ends after it).
+fn reply_stop_ids(r: &Ready, o: &Options, mut stop_ids: Vec<u32>) -> Vec<u32> {
+    if o.ignore_eos {
+        stop_ids.retain(|id| !r.stop_ids.contains(id));
+    }
+    stop_ids
 }
 
 pub(crate) fn completion_job(r: &Ready, b: &Body) -> Result<Job, ApiError> {
@@ -407,7 +439,7 @@ pub(crate) fn completion_job(r: &Ready, b: &Body) -> Result<Job, ApiError> {
             Ok((ids, shown))
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    let stop_ids = r.stop_ids.clone();
+    let stop_ids = reply_stop_ids(r, &opts, r.stop_ids.clone());
     job(r, opts, prompts, "prompt", None, constraint, stop_ids)
 }
 
@@ -436,38 +468,84 @@ impl Format {
     }
 }
 
-/// `response_format` (`text`, `json_object`, `json_schema` with `schema` and `strict`, `grammar` with a Lark
-/// `grammar`) and the top-level `grammar` (Lark).
+/// The keys each `response_format` type takes (others are refused, as unknown top-level fields are: a client
+/// that sends one means something tern would otherwise ignore).
+const FORMAT_KEYS: &[(&str, &[&str])] = &[
+    ("text", &["type"]),
+    // llama.cpp's `{"type": "json_object", "schema": {...}}`: a JSON object following the schema.
+    ("json_object", &["type", "schema"]),
+    ("json_schema", &["type", "json_schema"]),
+    ("grammar", &["type", "grammar"]),
+];
+const JSON_SCHEMA_KEYS: &[&str] = &["name", "description", "schema", "strict"];
+
+/// A 400 naming the first key of `o` not in `known`.
+fn check_keys(o: &Body, known: &[&str], param: &str, what: &str) -> Result<(), ApiError> {
+    match o.0.keys().find(|k| !known.contains(&k.as_str())) {
+        None => Ok(()),
+        Some(k) => Err(ApiError {
+            code: Some("unsupported_field"),
+            ..ApiError::invalid(
+                &format!("{param}.{}", clip(k)),
+                format!(
+                    "unknown field '{}' in {what}: tern does not implement it (it takes {})",
+                    clip(k),
+                    known.join(", ")
+                ),
+            )
+        }),
+    }
+}
+
+/// `response_format` (`text`; `json_object`, with llama.cpp's `schema`; `json_schema` with `schema` and
+/// `strict`; `grammar` with a `grammar`) and the top-level `grammar`. A grammar is Lark, or GBNF (llama.cpp's) when
+/// its first rule is `name ::= ...`.
 fn format(b: &Body) -> Result<Format, ApiError> {
     let bad = |m: String| ApiError::invalid("response_format", m);
     let mut f = match b.object("response_format")? {
         None => Format::Text,
-        Some(f) => match f.str("type")? {
-            None | Some("text") => Format::Text,
-            Some("json_object") => Format::JsonObject,
-            Some("json_schema") => {
-                let js = f.object("json_schema")?.ok_or_else(|| {
-                    bad("response_format 'json_schema' needs \"json_schema\": {\"name\", \"schema\", \"strict\"}"
-                        .into())
-                })?;
-                let schema = match js.get("schema") {
-                    Some(s @ (Value::Object(_) | Value::Bool(_))) => s.clone(),
-                    None => Value::Bool(true),
-                    Some(_) => return Err(bad("json_schema.schema must be a JSON schema (an object)".into())),
-                };
-                Format::JsonSchema { schema, strict: js.bool("strict")?.unwrap_or(false) }
-            }
-            Some("grammar") => match f.str("grammar")? {
-                Some(g) => Format::Lark(g.to_owned()),
-                None => return Err(bad("response_format 'grammar' needs a \"grammar\" (Lark)".into())),
-            },
-            Some(t) => {
+        Some(f) => {
+            let kind = f.str("type")?.unwrap_or("text");
+            let Some((_, keys)) = FORMAT_KEYS.iter().find(|(k, _)| *k == kind) else {
                 return Err(bad(format!(
                     "response_format type '{}' is not supported; use text, json_object, json_schema or grammar",
-                    clip(t)
-                )))
+                    clip(kind)
+                )));
+            };
+            check_keys(&f, keys, "response_format", &format!("a response_format of type '{kind}'"))?;
+            match kind {
+                "json_object" => match f.get("schema") {
+                    None => Format::JsonObject,
+                    Some(s @ (Value::Object(_) | Value::Bool(_))) => {
+                        Format::JsonSchema { schema: s.clone(), strict: false }
+                    }
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "response_format.schema",
+                            "response_format.schema must be a JSON schema (an object)",
+                        ))
+                    }
+                },
+                "json_schema" => {
+                    let js = f.object("json_schema")?.ok_or_else(|| {
+                        bad("response_format 'json_schema' needs \"json_schema\": {\"name\", \"schema\", \"strict\"}"
+                            .into())
+                    })?;
+                    check_keys(&js, JSON_SCHEMA_KEYS, "response_format.json_schema", "response_format.json_schema")?;
+                    let schema = match js.get("schema") {
+                        Some(s @ (Value::Object(_) | Value::Bool(_))) => s.clone(),
+                        None => Value::Bool(true),
+                        Some(_) => return Err(bad("json_schema.schema must be a JSON schema (an object)".into())),
+                    };
+                    Format::JsonSchema { schema, strict: js.bool("strict")?.unwrap_or(false) }
+                }
+                "grammar" => match f.str("grammar")? {
+                    Some(g) => Format::Lark(g.to_owned()),
+                    None => return Err(bad("response_format 'grammar' needs a \"grammar\" (Lark or GBNF)".into())),
+                },
+                _ => Format::Text,
             }
-        },
+        }
     };
     if let Some(g) = b.str("grammar")? {
         if !matches!(f, Format::Text) {
@@ -478,8 +556,9 @@ fn format(b: &Body) -> Result<Format, ApiError> {
     Ok(f)
 }
 
-/// The compiled constraint of a request (400 for a schema or grammar that cannot be used).
-fn constraint(r: &Ready, spec: Option<&Owned>, reply: &Reply) -> Result<Constraint, ApiError> {
+/// The request's constraint, checked against the grammar limits and written out (400 naming the field for one
+/// that cannot be used); compiled later, off this thread ([`grammar::attach`]).
+fn constraint(r: &Ready, spec: Option<&Owned>, reply: &Reply) -> Result<PendingConstraint, ApiError> {
     let g = r.grammars.as_ref().map_err(|e| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -495,22 +574,12 @@ fn constraint(r: &Ready, spec: Option<&Owned>, reply: &Reply) -> Result<Constrai
             Format::Text => (Spec::Free, "response_format"),
             Format::JsonObject => (Spec::JsonObject, "response_format"),
             Format::JsonSchema { schema, strict } => (Spec::JsonSchema { schema, strict: *strict }, "response_format"),
+            Format::Lark(g) if tern_text::constraint::is_gbnf(g) => (Spec::Gbnf(g), "grammar"),
             Format::Lark(g) => (Spec::Lark(g), "grammar"),
         },
     };
-    let c = g.compile(spec, reply).map_err(|e| ApiError {
-        code: Some("invalid_grammar"),
-        ..ApiError::invalid(param, format!("cannot use it: {}", clip_long(&e.0)))
-    })?;
-    Ok(Constraint::new(c))
-}
-
-/// A grammar error, cut to a readable length.
-fn clip_long(s: &str) -> String {
-    match s.char_indices().nth(600) {
-        Some((i, _)) => format!("{}...", &s[..i]),
-        None => s.to_owned(),
-    }
+    let prepared = g.prepare(spec).map_err(|e| grammar::client_error(e, param))?;
+    Ok(PendingConstraint { prepared, reply: reply.clone(), param })
 }
 
 fn options(
@@ -525,7 +594,17 @@ fn options(
         Some(o) => o.bool("include_usage")?.unwrap_or(false),
         None => false,
     };
+    let ctx = r.engine.config.ctx_size;
+    let min_tokens = b.int("min_tokens", 0, ctx as i64)?.unwrap_or(0) as usize;
+    if let Some((max, param)) = max_tokens.filter(|&(max, _)| min_tokens > max) {
+        return Err(ApiError::invalid(
+            "min_tokens",
+            format!("'min_tokens' ({min_tokens}) must not be more than '{param}' ({max})"),
+        ));
+    }
     Ok(Options {
+        ignore_eos: b.bool("ignore_eos")?.unwrap_or(false),
+        min_tokens,
         stream,
         include_usage,
         sampling: sampling(r, b)?,
@@ -550,7 +629,7 @@ fn job(
     prompts: Vec<(Vec<u32>, String)>,
     prompt_param: &str,
     chat: Option<ChatOutput>,
-    constraint: Option<Constraint>,
+    constraint: Option<PendingConstraint>,
     stop_ids: Vec<u32>,
 ) -> Result<Job, ApiError> {
     let ctx = r.engine.config.ctx_size;
@@ -590,6 +669,16 @@ fn job(
             }
             Some((m, _)) => m,
         };
+        if o.min_tokens > max_tokens {
+            return Err(too_long(
+                "min_tokens",
+                format!(
+                    "this model's maximum context length is {ctx} tokens: the prompt has {n} tokens, which leaves \
+                     {max_tokens} for the completion, fewer than 'min_tokens' ({})",
+                    o.min_tokens
+                ),
+            ));
+        }
         prompt_tokens += n;
         for i in 0..o.n {
             let mut sampling = o.sampling.clone();
@@ -602,7 +691,8 @@ fn job(
                 stop_strings: o.stop_strings.clone(),
                 stop_ids: stop_ids.clone(),
                 logprobs: o.logprobs,
-                constraint: constraint.clone(),
+                constraint: None, // compiled once the job is prepared (grammar::attach)
+                min_tokens: o.min_tokens,
             });
             echo.push(shown.clone());
         }
@@ -615,6 +705,7 @@ fn job(
         include_usage: o.include_usage,
         chat,
         prompt_param: prompt_param.into(),
+        constraint,
     })
 }
 
@@ -685,13 +776,36 @@ fn stop(b: &Body) -> Result<Vec<String>, ApiError> {
     Ok(list)
 }
 
+/// Raw text (/v1/completions' prompt, /tokenize's): control tokens written in it are read as such, as vLLM and
+/// OpenAI's legacy completions do (a raw prompt is the whole prompt, its turn markers included).
 pub(crate) fn encode(r: &Ready, text: &str) -> Result<Vec<u32>, ApiError> {
     r.tokenizer.encode(text, false).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
 
-/// Tokenise a prompt, refusing at once (before the costly encoding) a text too long to fit the context whatever
-/// its tokens: [`tern_text::Tokenizer::min_tokens`] is a lower bound of their number.
+/// A rendered chat: control tokens only where the template put them (the request's text is text), or, with
+/// `--allow-special-in-content`, wherever the text spells them.
+fn encode_rendered(r: &Ready, rendered: &Rendered) -> Result<Vec<u32>, ApiError> {
+    if r.special_in_content {
+        return encode(r, &rendered.text());
+    }
+    rendered.encode(&r.tokenizer).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+}
+
+/// [`encode_rendered`] after [`check_length`].
+fn encode_chat(r: &Ready, rendered: &Rendered) -> Result<Vec<u32>, ApiError> {
+    check_length(r, &rendered.text(), "messages")?;
+    encode_rendered(r, rendered)
+}
+
+/// Tokenise a prompt after [`check_length`].
 fn encode_prompt(r: &Ready, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
+    check_length(r, text, param)?;
+    encode(r, text)
+}
+
+/// Refuse at once (before the costly encoding) a text too long to fit the context whatever its tokens:
+/// [`tern_text::Tokenizer::min_tokens`] is a lower bound of their number.
+fn check_length(r: &Ready, text: &str, param: &str) -> Result<(), ApiError> {
     let ctx = r.engine.config.ctx_size;
     let at_least = r.tokenizer.min_tokens(text);
     if at_least >= ctx {
@@ -704,7 +818,7 @@ fn encode_prompt(r: &Ready, text: &str, param: &str) -> Result<Vec<u32>, ApiErro
             ),
         ));
     }
-    encode(r, text)
+    Ok(())
 }
 
 /// The prompts of /v1/completions with their text when given as text: a string, a list of token ids, or a list
@@ -753,7 +867,9 @@ struct Forced {
 /// content), `auto` offers all, `required` offers all, a named function offers only that one; `required` and a
 /// named function constrain the reply to calls (with thinking: after `</think>`) whose arguments follow the tool's
 /// parameters. `parallel_tool_calls: false` allows one call. The third value says how calls are restricted.
-fn render_chat(r: &Ready, b: &Body) -> Result<(String, ChatOutput, Option<Forced>), ApiError> {
+/// `continue_final_message` (vLLM's assistant prefill) leaves the last message open, with no generation prompt:
+/// the reply continues its text (as content, its think block being closed).
+fn render_chat(r: &Ready, b: &Body) -> Result<(Rendered, ChatOutput, Option<Forced>), ApiError> {
     let messages = messages(b)?;
     let mut tools = tools(b)?;
     let names: Vec<String> = tools.iter().map(|t| t["function"]["name"].as_str().unwrap_or_default().into()).collect();
@@ -808,16 +924,28 @@ fn render_chat(r: &Ready, b: &Body) -> Result<(String, ChatOutput, Option<Forced
             ))
         }
     }
+    let continue_final = b.bool("continue_final_message")?.unwrap_or(false);
+    let add_generation_prompt =
+        match (b.bool("add_generation_prompt")?, continue_final) {
+            (Some(true), true) => return Err(ApiError::invalid(
+                "continue_final_message",
+                "'continue_final_message' and 'add_generation_prompt' cannot both be true: continue the last message, \
+                 or start a new assistant turn",
+            )),
+            (set, continue_final) => set.unwrap_or(!continue_final),
+        };
     let options = ChatOptions {
-        add_generation_prompt: b.bool("add_generation_prompt")?.unwrap_or(true),
+        add_generation_prompt,
         enable_thinking: thinking,
         tools: (!tools.is_empty()).then(|| tools.clone()),
         extra,
+        continue_final_message: continue_final,
     };
-    let text = r.template.render(&messages, &options).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+    let rendered =
+        r.template.render_marked(&messages, &options).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     let restricted =
         (!tools.is_empty() && (forced || !parallel)).then(|| Forced { tools: tools.clone(), parallel, forced });
-    Ok((text, ChatOutput { tools, thinking: thinking != Some(false) }, restricted))
+    Ok((rendered, ChatOutput { tools, thinking: thinking != Some(false) && !continue_final }, restricted))
 }
 
 fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
@@ -890,14 +1018,15 @@ fn tools(b: &Body) -> Result<Vec<Value>, ApiError> {
     }
 }
 
-/// `{"prompt": "..."}` or a chat request's `{"messages": [...], ...}` (rendered as for generation).
+/// `{"prompt": "..."}` or a chat request's `{"messages": [...], ...}` (rendered as for generation); a text too long
+/// to fit the context whatever its tokens is refused before tokenising, as a prompt is (/tokenize, count_tokens).
 pub(crate) fn tokenize(r: &Ready, b: &Body) -> Result<Vec<u32>, ApiError> {
     if b.get("messages").is_some() {
-        let (text, _, _) = render_chat(r, b)?;
-        return encode(r, &text);
+        let (rendered, _, _) = render_chat(r, b)?;
+        return encode_chat(r, &rendered);
     }
     let text = b.str("prompt")?.ok_or_else(|| ApiError::invalid("prompt", "'prompt' or 'messages' is required"))?;
-    encode(r, text)
+    encode_prompt(r, text, "prompt")
 }
 
 pub(crate) fn detokenize(r: &Ready, b: &Body) -> Result<String, ApiError> {

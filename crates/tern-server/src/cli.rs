@@ -34,8 +34,9 @@ pub struct Args {
     /// Sequences decoded at once, at most (admission is also by free memory: a request that does not fit waits
     /// for running ones to finish). On CUDA each takes, from the state pool (--state-mib), 67 MB of recurrent
     /// state and 20 KB a token of KV cache for its prompt + max_tokens, in 2 MiB pages (the startup log says how
-    /// many fit).
-    #[arg(long, default_value_t = 64)]
+    /// many fit). 0 (the default): what one step of the backend takes, 256 on CUDA (one forward pass's
+    /// sequences), 64 on the CPU.
+    #[arg(long, default_value_t = 0)]
     pub max_concurrent: usize,
     /// MiB of GPU memory for sequence state on CUDA: one pool of pages holding the KV caches and recurrent states
     /// of the running sequences and of the prefix cache's snapshots. 0: what is free once the weights are up,
@@ -74,13 +75,26 @@ pub struct Args {
     /// second signal exits at once); under the 30 s Kubernetes waits before its SIGKILL.
     #[arg(long, default_value = "25", value_parser = seconds)]
     pub shutdown_grace: Duration,
-    /// Requests rendered and tokenised at once, on threads of their own (default: half the cores).
+    /// Requests rendered and tokenised at once, on threads of their own (default: half the cores); as many again
+    /// for bodies of 256 KiB or more, so that large requests never hold up small ones.
     #[arg(long)]
     pub tokenizer_threads: Option<usize>,
     /// Let web pages of these origins call the API (CORS): comma-separated `scheme://host[:port]`, or `*` for
     /// any. Off by default (a page of another origin cannot read the replies); the page at `/` needs none.
     #[arg(long, value_delimiter = ',')]
     pub cors: Vec<String>,
+    /// Without --api-key, requests are served only when their Host header is localhost (or a name under
+    /// .localhost), an IP address, --host, this machine's name, or one of these (comma-separated; .example.com: it
+    /// and the names under it; * for any); others get 403, so that a web page cannot reach the server through a
+    /// name of its own pointed at it (DNS rebinding). With --api-key there is no check.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+    /// Read control tokens (`<|im_start|>`, `<|im_end|>`, `<think>`, ...) written in chat messages, tool results
+    /// and tool definitions as those tokens, as transformers' chat template and vLLM do. By default they are text:
+    /// only the chat template's own turn markers are control tokens, so no message can open a system turn.
+    /// (/v1/completions reads them in its raw prompt either way.)
+    #[arg(long)]
+    pub allow_special_in_content: bool,
 }
 
 /// A number of seconds (fractions allowed) as a duration.
@@ -114,6 +128,8 @@ pub fn main(
         shutdown_grace: args.shutdown_grace,
         tokenizer_threads: args.tokenizer_threads.unwrap_or_else(crate::default_tokenizer_threads),
         cors: args.cors.into_iter().map(|o| o.trim().to_owned()).filter(|o| !o.is_empty()).collect(),
+        allowed_hosts: args.allowed_hosts.into_iter().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty()).collect(),
+        allow_special_in_content: args.allow_special_in_content,
     };
     opts.check()?;
     let (model, backend, ctx) = (args.model, args.backend, args.ctx_size);

@@ -18,7 +18,7 @@ use axum::Json;
 use futures_util::stream::{self, StreamExt};
 use serde_json::Value;
 use tern_engine::{Event, FinishReason, TokenLogprob, Usage};
-use tern_text::{OutputParser, ParseEvent};
+use tern_text::{OutputParser, ParseEvent, THINK_END_ID};
 use tokio::sync::{mpsc, watch};
 
 use crate::api::{self, ApiError, Job};
@@ -55,6 +55,8 @@ pub(crate) struct ChoiceEnd {
     /// Tool calls it made.
     pub calls: usize,
     pub usage: Usage,
+    /// Of `usage.completion_tokens`, those of the reasoning (up to and including `</think>`).
+    pub reasoning_tokens: usize,
 }
 
 impl ChoiceEnd {
@@ -169,10 +171,13 @@ pub(crate) async fn respond(
             logprobs: Vec::new(),
             calls: 0,
             tokens: 0,
+            thinking: job.chat.as_ref().is_some_and(|c| c.thinking),
+            reasoning: 0,
             end: None,
         })
         .collect();
-    let run = Run { meta, choices, events, phase: st.phase.clone(), info, writer, open: n };
+    let grammar = job.constraint.as_ref().map(|c| c.param);
+    let run = Run { meta, choices, events, phase: st.phase.clone(), info, writer, open: n, grammar };
     if job.stream {
         stream(run).await
     } else {
@@ -217,6 +222,10 @@ struct Choice {
     logprobs: Vec<TokenLogprob>,
     calls: usize,
     tokens: usize,
+    /// Still in the reasoning (a thinking reply until its `</think>`).
+    thinking: bool,
+    /// Tokens of the reasoning.
+    reasoning: usize,
     end: Option<ChoiceEnd>,
 }
 
@@ -237,6 +246,23 @@ struct Run {
     writer: Box<dyn Writer>,
     /// Choices still running.
     open: usize,
+    /// The field of the request's grammar, if it has one (errors of the grammar name it).
+    grammar: Option<&'static str>,
+}
+
+/// An error event before the response has started: the request's grammar failing while decoding (no token can
+/// continue it, too many parser items) is the client's 400 naming its field; anything else is the server's 500.
+fn event_error(e: String, grammar: Option<&'static str>) -> ApiError {
+    // (The engine's words for a failed mask; tern-text's say what failed.)
+    match (grammar, e.strip_prefix("the output constraint failed: ")) {
+        (Some(param), Some(why)) => {
+            if why.contains("internal error") {
+                eprintln!("tern: the {param} of a request failed while generating: {}", api::clip(why));
+            }
+            ApiError { code: Some("grammar_failed"), ..ApiError::invalid(param, why) }
+        }
+        _ => ApiError::internal(e),
+    }
 }
 
 /// What a wait for the next engine event gave.
@@ -269,8 +295,12 @@ impl Run {
         let Some((i, ev)) = ev else { return vec![Out::Error(ENGINE_GONE.into())] };
         let Some(c) = self.choices.get_mut(i) else { return vec![] };
         match ev {
-            Event::Token { text, logprob, .. } => {
+            Event::Token { token, text, logprob } => {
                 c.tokens += 1;
+                if c.thinking {
+                    c.reasoning += 1;
+                    c.thinking = token != THINK_END_ID;
+                }
                 self.info.token();
                 if let Some(lp) = logprob {
                     c.logprobs.push(lp);
@@ -288,7 +318,7 @@ impl Run {
             return vec![];
         }
         let mut out = pieces(i, c, "", true);
-        let end = ChoiceEnd { finish, stop_string, calls: c.calls, usage };
+        let end = ChoiceEnd { finish, stop_string, calls: c.calls, usage, reasoning_tokens: c.reasoning };
         c.end = Some(end.clone());
         self.open -= 1;
         out.push(Out::End(i, end, std::mem::take(&mut c.logprobs)));
@@ -385,7 +415,7 @@ fn pieces(i: usize, c: &mut Choice, text: &str, last: bool) -> Vec<Out> {
 async fn stream(mut run: Run) -> Result<Response, ApiError> {
     let first = match run.next(false).await {
         Next::Shutdown => return Err(not_started()),
-        Next::Event(Some((_, Event::Error(e)))) => return Err(ApiError::internal(e)),
+        Next::Event(Some((_, Event::Error(e)))) => return Err(event_error(e, run.grammar)),
         Next::Event(None) => return Err(ApiError::internal(ENGINE_GONE)),
         Next::Event(Some(ev)) => ev,
     };
@@ -459,7 +489,7 @@ async fn collect(mut run: Run) -> Result<Response, ApiError> {
                     got[i].logprobs.extend(lps);
                     got[i].end = Some(end);
                 }
-                Out::Error(e) => return Err(ApiError::internal(e)),
+                Out::Error(e) => return Err(event_error(e, run.grammar)),
             }
         }
     }

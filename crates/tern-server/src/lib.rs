@@ -8,11 +8,13 @@
 //! "code"}}` (Anthropic's `{"type": "error", "error": {"type", "message"}}` under /v1/messages); a panicking
 //! handler answers 500. POST bodies must be `application/json` (so that a web page cannot post to a local server
 //! with a CORS "simple" request); `--cors ORIGINS` lets pages of other origins call the API (preflights
-//! answered, off by default). The API key is read from `Authorization: Bearer KEY` or `x-api-key: KEY`.
+//! answered, off by default). The API key is read from `Authorization: Bearer KEY` or `x-api-key: KEY`; without
+//! one, a request's `Host` must name this server (`host`: a defence against DNS rebinding; `--allowed-hosts`).
 //!
-//! Structured output: `response_format` (`json_object`, `json_schema`), a Lark `grammar`, and `tool_choice`
-//! `required` / named constrain decoding with llguidance masks (see tern-text's `constraint` and the engine's
-//! constrained decoding).
+//! Structured output: `response_format` (`json_object`, `json_schema`), a Lark or GBNF `grammar`, and
+//! `tool_choice` `required` / named constrain decoding with llguidance masks (see tern-text's `constraint` and the
+//! engine's constrained decoding); grammars are bounded before they compile, and compile on a pool of their own
+//! (`grammar`).
 //!
 //! No request takes the server down: connections are capped and timed (`conn`), bodies are read within a
 //! deadline, request preparation runs on a bounded blocking pool (`prep`), every sampling field is bounded
@@ -29,6 +31,8 @@ mod api;
 pub mod cli;
 mod conn;
 mod generate;
+mod grammar;
+mod host;
 mod openai;
 mod page;
 mod prep;
@@ -71,6 +75,7 @@ pub struct ServeOptions {
     /// Serve /metrics without the API key.
     pub metrics_public: bool,
     pub ctx_size: usize,
+    /// Sequences running at once (0: the backend's own [`tern_engine::Backend::max_seqs`]).
     pub max_concurrent: usize,
     /// Requests waiting beyond the running ones before the server answers 503 (0: none wait).
     pub max_queue: usize,
@@ -90,10 +95,17 @@ pub struct ServeOptions {
     pub keep_alive_timeout: Duration,
     /// At shutdown, running requests may finish within this; then they are cut.
     pub shutdown_grace: Duration,
-    /// Requests rendered and tokenised at once (on blocking threads).
+    /// Requests rendered and tokenised at once (on blocking threads); as many again of bodies of 256 KiB or more.
     pub tokenizer_threads: usize,
     /// Origins whose pages may call the API (CORS); `*` for any; empty: none (no CORS headers).
     pub cors: Vec<String>,
+    /// Without `api_key`, the `Host` names served besides localhost, IP addresses, `host` and this machine's name
+    /// (`.example.com`: it and the names under it; `*`: any); others get 403 (see `host`).
+    pub allowed_hosts: Vec<String>,
+    /// Read control tokens (`<|im_start|>`, `<think>`, ...) spelled in chat messages, tool results and tool
+    /// definitions as those tokens, as transformers' template and vLLM do (by default they are text; see
+    /// tern-text's `ChatTemplate::render_marked`).
+    pub allow_special_in_content: bool,
 }
 
 impl Default for ServeOptions {
@@ -104,7 +116,7 @@ impl Default for ServeOptions {
             api_key: None,
             metrics_public: false,
             ctx_size: 32768,
-            max_concurrent: 64,
+            max_concurrent: 0,
             max_queue: 64,
             step_tokens: 0,
             prefix_cache_bytes: EngineConfig::default().prefix_cache_bytes,
@@ -116,6 +128,8 @@ impl Default for ServeOptions {
             shutdown_grace: Duration::from_secs(25),
             tokenizer_threads: default_tokenizer_threads(),
             cors: Vec::new(),
+            allowed_hosts: Vec::new(),
+            allow_special_in_content: false,
         }
     }
 }
@@ -136,7 +150,6 @@ impl ServeOptions {
         }
         let positive = [
             ("--ctx-size", self.ctx_size),
-            ("--max-concurrent", self.max_concurrent),
             ("--max-body-bytes", self.max_body_bytes),
             ("--max-connections", self.max_connections),
             ("--tokenizer-threads", self.tokenizer_threads),
@@ -154,6 +167,15 @@ impl ServeOptions {
         for (flag, v) in timeouts {
             if v.is_zero() {
                 bail!("{flag} must be more than 0 seconds");
+            }
+        }
+        for h in &self.allowed_hosts {
+            let bad = h.is_empty() || h.contains(['/', ' ']) || axum::http::HeaderValue::from_str(h).is_err();
+            if bad {
+                bail!(
+                    "--allowed-hosts: '{h}' is not a host name (example.com; .example.com for it and the names under \
+                     it; * for any)"
+                );
             }
         }
         for o in &self.cors {
@@ -200,7 +222,9 @@ where
     opts.check()?;
     opts.max_connections = conn::fit_fd_limit(opts.max_connections);
     let (phase_tx, phase) = watch::channel(Phase::Serving);
+    prep::start_trimmer();
     let state = Arc::new(AppState {
+        hosts: host::Allowed::new(&opts),
         conns: conn::Conns::new(opts.max_connections),
         prep: prep::Pool::new(opts.tokenizer_threads),
         opts,
@@ -291,6 +315,8 @@ struct AppState {
     phase: watch::Receiver<Phase>,
     conns: conn::Conns,
     prep: prep::Pool,
+    /// The `Host` names served without a key (`None`: any).
+    hosts: Option<host::Allowed>,
 }
 
 type Shared = Arc<AppState>;
@@ -305,8 +331,12 @@ struct Ready {
     stop_ids: Vec<u32>,
     /// Constrained decoding's compiler, or why there is none.
     grammars: Result<Arc<Grammars>, String>,
+    /// Its compile pool and cache (see [`grammar`]).
+    compiler: Result<grammar::Compiler, String>,
     /// The backend's name ("cpu", "cuda"), in the system fingerprint.
     engine_backend: String,
+    /// `--allow-special-in-content`: chat text is tokenized with its control tokens read as such.
+    special_in_content: bool,
 }
 
 impl Ready {
@@ -326,6 +356,7 @@ impl Ready {
             Err(e) => eprintln!("tern: constrained decoding unavailable: {e}"),
         }
         Ready {
+            compiler: grammars.as_ref().map(|g| grammar::Compiler::start(g.clone())).map_err(Clone::clone),
             grammars,
             engine_backend: model.backend.name().to_owned(),
             engine: Engine::start(model.backend, model.tokenizer.clone(), config),
@@ -334,6 +365,7 @@ impl Ready {
             template: model.template,
             sampling: model.sampling,
             stop_ids: model.stop_ids,
+            special_in_content: opts.allow_special_in_content,
         }
     }
 }
@@ -393,6 +425,7 @@ fn router(state: Shared) -> Router {
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn_with_state(state.clone(), read_body))
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(state.clone(), host::check))
         .layer(CatchPanicLayer::custom(|_| {
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error", "internal server error")
                 .into_response()
@@ -574,8 +607,9 @@ async fn generation(st: Shared, info: Arc<RequestInfo>, body: RawBody, ep: Endpo
         st.accepting()?;
         st.ready()?;
         let body = body_bytes(body)?;
-        let (job, writer, prefix) = st.prep.run(&st, body.len(), move |ready| prepare(ready, &body, ep)).await?;
+        let (mut job, writer, prefix) = st.prep.run(&st, body.len(), move |ready| prepare(ready, &body, ep)).await?;
         let ready = st.ready()?;
+        grammar::attach(ready, &mut job).await?;
         generate::respond(&st, ready, job, info, writer, prefix).await
     };
     r.await.unwrap_or_else(IntoResponse::into_response)
@@ -618,7 +652,12 @@ async fn health(State(st): State<Shared>) -> Response {
         None => "loading",
         Some(r) if !r.engine.is_running() => "engine_stopped",
         Some(_) if *st.phase.borrow() != Phase::Serving => "shutting_down",
-        Some(_) => return Json(json!({"status": "ok"})).into_response(),
+        Some(r) => {
+            // Requests waiting for their grammar to compile (they count against --max-queue).
+            let (waiting, running) = r.compiler.as_ref().map_or((0, 0), grammar::Compiler::load);
+            let compiles = json!({"waiting": waiting, "running": running});
+            return Json(json!({"status": "ok", "grammar_compiles": compiles})).into_response();
+        }
     };
     (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": status}))).into_response()
 }
@@ -691,6 +730,9 @@ async fn metrics(State(st): State<Shared>) -> Response {
         let tps = if decode_s > 0.0 { (completion - ttft_n).max(0.0) / decode_s } else { 0.0 };
         metric("decode_tokens_per_second", "gauge", "tokens per second of one sequence after its first", tps);
         metric("queue_depth", "gauge", "requests waiting for a slot", s.waiting.load(Ordering::Relaxed) as f64);
+        for (name, kind, help, value) in ready.compiler.as_ref().map(grammar::Compiler::metrics).unwrap_or_default() {
+            metric(name, kind, help, value);
+        }
         metric("constraint_masks_total", "counter", "token masks computed for constrained requests", get(&s.masks));
         metric(
             "constraint_mask_seconds_total",

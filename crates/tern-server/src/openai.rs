@@ -16,10 +16,15 @@ fn token_text(m: &Meta, id: u32) -> (String, Vec<u8>) {
     (String::from_utf8_lossy(&bytes).into_owned(), bytes)
 }
 
-fn usage_json(u: &Usage) -> Value {
-    json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-           "total_tokens": u.prompt_tokens + u.completion_tokens,
-           "prompt_tokens_details": {"cached_tokens": u.cached_tokens}})
+/// The usage object; chat's (`reasoning`: the reasoning tokens of every choice) has `completion_tokens_details`.
+fn usage_json(u: &Usage, reasoning: Option<usize>) -> Value {
+    let mut v = json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                       "total_tokens": u.prompt_tokens + u.completion_tokens,
+                       "prompt_tokens_details": {"cached_tokens": u.cached_tokens}});
+    if let Some(r) = reasoning {
+        v["completion_tokens_details"] = json!({"reasoning_tokens": r});
+    }
+    v
 }
 
 fn error_events(message: &str) -> String {
@@ -31,6 +36,8 @@ fn error_events(message: &str) -> String {
 pub(crate) struct ChatWriter {
     /// Per choice: log-probabilities of pieces that made no chunk, for the next one.
     held: Vec<Vec<TokenLogprob>>,
+    /// Reasoning tokens of the choices ended so far.
+    reasoning: usize,
 }
 
 impl ChatWriter {
@@ -98,6 +105,7 @@ impl Writer for ChatWriter {
     }
 
     fn choice_end(&mut self, m: &Meta, i: usize, end: &ChoiceEnd, lps: Vec<TokenLogprob>) -> String {
+        self.reasoning += end.reasoning_tokens;
         self.chunk(m, i, json!({}), lps, Some(end.openai_reason()))
     }
 
@@ -105,7 +113,8 @@ impl Writer for ChatWriter {
         let mut out = String::new();
         if m.include_usage {
             out += &sse(&json!({"id": m.id, "object": "chat.completion.chunk", "created": m.created, "model": m.model,
-                                "system_fingerprint": m.fingerprint, "choices": [], "usage": usage_json(usage)}));
+                                "system_fingerprint": m.fingerprint, "choices": [],
+                                "usage": usage_json(usage, Some(self.reasoning))}));
         }
         out + "data: [DONE]\n\n"
     }
@@ -115,6 +124,7 @@ impl Writer for ChatWriter {
     }
 
     fn body(&self, m: &Meta, choices: &[Collected], usage: &Usage) -> Value {
+        let reasoning_tokens: usize = choices.iter().filter_map(|c| c.end.as_ref()).map(|e| e.reasoning_tokens).sum();
         let choices: Vec<Value> = choices
             .iter()
             .enumerate()
@@ -142,7 +152,8 @@ impl Writer for ChatWriter {
             })
             .collect();
         json!({"id": m.id, "object": "chat.completion", "created": m.created, "model": m.model,
-               "system_fingerprint": m.fingerprint, "choices": choices, "usage": usage_json(usage)})
+               "system_fingerprint": m.fingerprint, "choices": choices,
+               "usage": usage_json(usage, Some(reasoning_tokens))})
     }
 }
 
@@ -218,7 +229,7 @@ impl Writer for CompletionWriter {
         let mut out = String::new();
         if m.include_usage {
             out += &sse(&json!({"id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
-                                "system_fingerprint": m.fingerprint, "choices": [], "usage": usage_json(usage)}));
+                                "system_fingerprint": m.fingerprint, "choices": [], "usage": usage_json(usage, None)}));
         }
         out + "data: [DONE]\n\n"
     }
@@ -241,6 +252,6 @@ impl Writer for CompletionWriter {
             })
             .collect();
         json!({"id": m.id, "object": "text_completion", "created": m.created, "model": m.model,
-               "system_fingerprint": m.fingerprint, "choices": choices, "usage": usage_json(usage)})
+               "system_fingerprint": m.fingerprint, "choices": choices, "usage": usage_json(usage, None)})
     }
 }

@@ -51,8 +51,13 @@ fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
         Value::String(s) => Ok(s.clone()),
         Value::Array(parts) => parts
             .iter()
-            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+            .enumerate()
+            .map(|(j, p)| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                 (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(t),
+                (Some(kind @ ("input_text" | "output_text" | "text")), None) => {
+                    let field = format!("{param}[{j}].text");
+                    Err(invalid(&field, format!("{field}: an '{kind}' part needs a 'text' string")))
+                }
                 (Some(t), _) => Err(invalid(param, format!("'{}' content is not supported (text only)", clip(t)))),
                 _ => Err(invalid(param, "a content part needs a 'type' and a 'text'")),
             })
@@ -163,8 +168,9 @@ pub(crate) fn to_chat(b: &Body) -> Result<Body, ApiError> {
     }
     let mut chat = Map::new();
     chat.insert("messages".into(), Value::Array(messages(b)?));
+    // (max_output_tokens keeps its name: errors about it name it)
     for (from, to) in [
-        ("max_output_tokens", "max_tokens"),
+        ("max_output_tokens", "max_output_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
         ("stream", "stream"),
@@ -217,10 +223,21 @@ pub(crate) fn to_chat(b: &Body) -> Result<Body, ApiError> {
             let rf = match f.str("type")? {
                 None | Some("text") => json!({"type": "text"}),
                 Some("json_object") => json!({"type": "json_object"}),
-                Some("json_schema") => json!({"type": "json_schema", "json_schema": {
-                    "name": f.get("name").cloned().unwrap_or(Value::Null),
-                    "schema": f.get("schema").cloned().unwrap_or(Value::Null),
-                    "strict": f.get("strict").cloned().unwrap_or(Value::Null)}}),
+                Some("json_schema") => {
+                    // (It answered 200 unconstrained without a schema; OpenAI requires one.)
+                    let schema = f.get("schema").cloned().ok_or_else(|| {
+                        invalid("text.format.schema", "text.format of type 'json_schema' needs a 'schema'")
+                    })?;
+                    let known = ["type", "name", "schema", "strict", "description"];
+                    if let Some(k) = f.0.keys().find(|k| !known.contains(&k.as_str())) {
+                        let msg = format!("unknown field '{}' in text.format: tern does not implement it", clip(k));
+                        return Err(invalid(&format!("text.format.{}", clip(k)), msg));
+                    }
+                    json!({"type": "json_schema", "json_schema": {
+                        "name": f.get("name").cloned().unwrap_or(Value::Null),
+                        "schema": schema,
+                        "strict": f.get("strict").cloned().unwrap_or(Value::Null)}})
+                }
                 Some(other) => return Err(invalid("text", format!("text.format '{}' is not supported", clip(other)))),
             };
             chat.insert("response_format".into(), rf);
@@ -308,10 +325,11 @@ impl ResponsesWriter {
             "usage": null, "user": null,
         });
         if let Some(u) = usage {
+            let reasoning = end.map_or(0, |e| e.reasoning_tokens);
             r["usage"] = json!({"input_tokens": u.prompt_tokens,
                                 "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
                                 "output_tokens": u.completion_tokens,
-                                "output_tokens_details": {"reasoning_tokens": 0},
+                                "output_tokens_details": {"reasoning_tokens": reasoning},
                                 "total_tokens": u.prompt_tokens + u.completion_tokens});
         }
         r

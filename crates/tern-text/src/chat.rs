@@ -2,13 +2,20 @@
 //! `transformers.AutoTokenizer.apply_chat_template(..., tokenize=False)` byte for byte:
 //! `trim_blocks`/`lstrip_blocks`, Python string methods (pycompat), `raise_exception`,
 //! a `tojson` equal to Python's `json.dumps(ensure_ascii=False)` and a Python-style `string`.
+//!
+//! [`ChatTemplate::render_marked`] renders the same text with the request's own text marked, so that
+//! [`Rendered::encode`] reads control and added tokens (`<|im_start|>`, `<|im_end|>`, `<think>`, ...) only where the
+//! template wrote them: a message, tool result, tool definition or assistant turn holding `<|im_end|>` reaches the
+//! model as that text, not as a turn boundary (as OpenAI's API does; transformers' template and vLLM read them).
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value as Json};
 
+use crate::tokenizer::Tokenizer;
 use crate::{read_file, read_json, Result, TextError};
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -24,12 +31,196 @@ pub struct ChatOptions {
     pub tools: Option<Vec<Json>>,
     /// Further template variables (e.g. `preserve_thinking`), passed through as-is.
     pub extra: Map<String, Json>,
+    /// Leave the last message open for the model to continue (assistant prefill): the prompt ends where that
+    /// message's text ends, without the end of its turn (transformers' `continue_final_message`). Use it with
+    /// `add_generation_prompt` false.
+    pub continue_final_message: bool,
 }
 
 impl Default for ChatOptions {
     fn default() -> Self {
-        Self { add_generation_prompt: true, enable_thinking: None, tools: None, extra: Map::new() }
+        Self {
+            add_generation_prompt: true,
+            enable_thinking: None,
+            tools: None,
+            extra: Map::new(),
+            continue_final_message: false,
+        }
     }
+}
+
+/// A rendered prompt in which the text that came from the request is marked (see [`ChatTemplate::render_marked`]).
+#[derive(Clone, Debug)]
+pub struct Rendered {
+    /// The rendering, with every `<` of the request's text written [`ESC`] `l` (and its [`ESC`]s [`ESC`] `e`).
+    marked: String,
+}
+
+/// Marks a character of the request's text (Unicode private use: no tokenizer or template gives it a meaning).
+const ESC: char = '\u{E000}';
+
+impl Rendered {
+    /// The prompt text (borrowed when the request's text holds no `<`).
+    pub fn text(&self) -> Cow<'_, str> {
+        unescape(&self.marked)
+    }
+
+    /// The prompt's token ids: an added token (`<|im_start|>`, `<think>`, ...) wherever the template wrote one, and
+    /// the request's text encoded as text in between ([`Tokenizer::encode_text`]). For text holding no added
+    /// token's string, the same ids as `tokenizer.encode(&self.text(), false)`, which splits at added tokens in
+    /// the same way.
+    pub fn encode(&self, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+        if !tokenizer.added_tokens_start_with('<') {
+            return Err(TextError::Tokenizer(
+                "this tokenizer has added tokens that do not start with '<': the request's text cannot be kept apart \
+                 from them (serve with --allow-special-in-content)"
+                    .into(),
+            ));
+        }
+        let s = self.marked.as_str();
+        let (mut ids, mut start, mut at) = (Vec::new(), 0, 0);
+        // Every `<` left in the marked text is the template's own: the request's are escaped.
+        while let Some(off) = s[at..].find('<') {
+            let pos = at + off;
+            match tokenizer.added_token_at(&s[pos..]) {
+                Some((id, len)) => {
+                    ids.extend(tokenizer.encode_text(&unescape(&s[start..pos]))?);
+                    ids.push(id);
+                    start = pos + len;
+                    at = start;
+                }
+                None => at = pos + 1,
+            }
+        }
+        ids.extend(tokenizer.encode_text(&unescape(&s[start..]))?);
+        Ok(ids)
+    }
+}
+
+/// The request's text with every `<` marked (and the marker itself escaped).
+fn escape(s: &str) -> Cow<'_, str> {
+    if !s.contains(['<', ESC]) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        match c {
+            '<' => out.extend([ESC, 'l']),
+            ESC => out.extend([ESC, 'e']),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Undoes [`escape`]; a marker the template cut from its letter stays as it is.
+fn unescape(s: &str) -> Cow<'_, str> {
+    if !s.contains(ESC) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        match (c, chars.peek()) {
+            (ESC, Some('l')) => {
+                chars.next();
+                out.push('<');
+            }
+            (ESC, Some('e')) => {
+                chars.next();
+                out.push(ESC);
+            }
+            (c, _) => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Every string (and object key) of `v` escaped, in place (only what holds a `<` is rewritten).
+fn escape_json(v: &mut Json) {
+    match v {
+        Json::String(s) => {
+            if let Cow::Owned(e) = escape(s) {
+                *s = e;
+            }
+        }
+        Json::Array(items) => items.iter_mut().for_each(escape_json),
+        Json::Object(map) => escape_map(map),
+        _ => {}
+    }
+}
+
+/// [`escape_json`] of an object's keys and values.
+fn escape_map(map: &mut Map<String, Json>) {
+    if map.keys().any(|k| k.contains(['<', ESC])) {
+        for (k, mut v) in std::mem::take(map) {
+            escape_json(&mut v);
+            map.insert(escape(&k).into_owned(), v);
+        }
+    } else {
+        map.values_mut().for_each(escape_json);
+    }
+}
+
+/// What the template does with an assistant message's reasoning written inline (`<think>...</think>` in
+/// `content`, no `reasoning_content` string), done before marking so that the template still finds it: the
+/// reasoning goes to `reasoning_content` and `content` keeps what follows the last `</think>`. Left as it is
+/// (then the tags are text) when that rest starts with a space the template would have kept but trims here.
+fn split_inline_reasoning(message: &mut Json) {
+    if message.get("role").and_then(Json::as_str) != Some("assistant")
+        || matches!(message.get("reasoning_content"), Some(Json::String(_)))
+    {
+        return;
+    }
+    let Some(content) = message.get("content").and_then(Json::as_str).map(str::trim) else { return };
+    if !content.contains("</think>") {
+        return;
+    }
+    let before = content.split("</think>").next().unwrap_or_default().trim_end_matches('\n');
+    let reasoning = before.rsplit("<think>").next().unwrap_or_default().trim_start_matches('\n').to_owned();
+    let rest = content.rsplit("</think>").next().unwrap_or_default().trim_start_matches('\n').to_owned();
+    if rest.starts_with(char::is_whitespace) {
+        return;
+    }
+    message["reasoning_content"] = Json::String(reasoning);
+    message["content"] = Json::String(rest);
+}
+
+/// The text the last message ends with, for `continue_final_message` (the last text part of a list).
+fn final_text(messages: &[Json]) -> Result<String> {
+    let missing =
+        || TextError::Template("continue_final_message is set but the final message has no text to continue".into());
+    let content = messages.last().and_then(|m| m.get("content")).ok_or_else(missing)?;
+    let text = match content {
+        Json::String(s) => s.clone(),
+        Json::Array(parts) => {
+            parts.iter().rev().find_map(|p| p.get("text").and_then(Json::as_str)).ok_or_else(missing)?.to_owned()
+        }
+        _ => return Err(missing()),
+    };
+    if text.trim().is_empty() {
+        return Err(missing());
+    }
+    Ok(text)
+}
+
+/// transformers' `continue_final_message`: `rendered` cut where the final message's text ends (its trailing
+/// whitespace kept if the template kept it).
+fn cut_after(rendered: &str, last: &str) -> Result<String> {
+    let stripped = last.trim();
+    let at = rendered.rfind(stripped).ok_or_else(|| {
+        TextError::Template(
+            "continue_final_message is set but the final message does not appear in the chat after applying the \
+             chat template"
+                .into(),
+        )
+    })?;
+    let keep = if last.trim_start().len() == last.len() && rendered[at..].starts_with(last) {
+        last.len()
+    } else {
+        stripped.len()
+    };
+    Ok(rendered[..at + keep].to_owned())
 }
 
 /// A compiled chat template.
@@ -70,9 +261,45 @@ impl ChatTemplate {
     /// whose `function.arguments` may be an object or a JSON string). A `raise_exception(msg)`
     /// in the template becomes `Err(TextError::Template(msg))`.
     pub fn render(&self, messages: &[Json], options: &ChatOptions) -> Result<String> {
-        let mut ctx = options.extra.clone();
-        ctx.insert("messages".into(), Json::Array(messages.iter().map(normalize_message).collect()));
-        ctx.insert("tools".into(), options.tools.clone().map_or(Json::Null, Json::Array));
+        let messages: Vec<Json> = messages.iter().map(normalize_message).collect();
+        let last = if options.continue_final_message { Some(final_text(&messages)?) } else { None };
+        let rendered = self.render_context(options.extra.clone(), messages, options.tools.clone(), options)?;
+        match last {
+            Some(last) => cut_after(&rendered, &last),
+            None => Ok(rendered),
+        }
+    }
+
+    /// Renders like [`Self::render`] with the request's text marked: every string of the messages, the tools and
+    /// the extra variables, so that [`Rendered::encode`] tells the template's own control tokens from text that
+    /// merely spells them. An assistant message's inline `<think>...</think>` is split off first as the template
+    /// would (see `split_inline_reasoning`); other template tests on text that spells a token (a user message
+    /// wrapped in `<tool_response>`) see text.
+    pub fn render_marked(&self, messages: &[Json], options: &ChatOptions) -> Result<Rendered> {
+        let mut marked: Vec<Json> = messages.iter().map(normalize_message).collect();
+        marked.iter_mut().for_each(split_inline_reasoning);
+        let last = if options.continue_final_message { Some(final_text(&marked)?) } else { None };
+        marked.iter_mut().for_each(escape_json);
+        let mut extra = options.extra.clone();
+        escape_map(&mut extra);
+        let mut tools = options.tools.clone();
+        tools.iter_mut().flatten().for_each(escape_json);
+        let mut rendered = self.render_context(extra, marked, tools, options)?;
+        if let Some(last) = last {
+            rendered = cut_after(&rendered, &escape(&last))?;
+        }
+        Ok(Rendered { marked: rendered })
+    }
+
+    fn render_context(
+        &self,
+        mut ctx: Map<String, Json>,
+        messages: Vec<Json>,
+        tools: Option<Vec<Json>>,
+        options: &ChatOptions,
+    ) -> Result<String> {
+        ctx.insert("messages".into(), Json::Array(messages));
+        ctx.insert("tools".into(), tools.map_or(Json::Null, Json::Array));
         ctx.insert("add_generation_prompt".into(), Json::Bool(options.add_generation_prompt));
         if let Some(on) = options.enable_thinking {
             ctx.insert("enable_thinking".into(), Json::Bool(on));

@@ -10,12 +10,21 @@
 //!   end or skip the reasoning (the stop ids, `<tool_call>`), so a constrained reply cannot end before its
 //!   constrained part; an optional budget forces `</think>` after that many reasoning tokens.
 //! * Once the grammar is complete the mask allows only the stop ids (llguidance's end of sequence).
+//! * Compiling is in two parts: [`Grammars::prepare`] checks a spec against the [`Limits`] (in time linear in
+//!   its size, without recursion) and writes its grammar (the Lark of tool calls, GBNF read as Lark); then
+//!   [`Grammars::build`] runs llguidance's compile, which recurses over the grammar: run it on a thread with
+//!   [`COMPILE_STACK_BYTES`] of stack (what the limits are sized for; [`Grammars::compile`] does both on such a
+//!   thread). A panic inside llguidance is caught; no error holds llguidance's parser state or a backtrace.
 //!
 //! Tool calls follow the checkpoint's XML format (`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
 //! </parameter>\n</function>\n</tool_call>`): a parameter whose schema type is a string is raw text (its enum,
 //! pattern and length bounds enforced), any other is JSON that follows its schema, exactly as
 //! [`crate::parser`] reads them back into the OpenAI `arguments` object.
 
+mod gbnf;
+mod limits;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -26,6 +35,18 @@ use serde_json::{json, Map, Value};
 
 use crate::parser::param_type;
 use crate::{IM_END_ID, THINK_END_ID, TOOL_CALL_END_ID, TOOL_CALL_ID};
+pub use limits::Limits;
+use limits::SchemaTally;
+
+/// Stack for [`Grammars::build`]: llguidance's compile recurses along rule and `$ref` chains (about 3 KiB of stack
+/// per rule, 20 KiB per `$ref` link to an object); the [`Limits`] keep the deepest accepted chain under a tenth of
+/// this. Only the pages touched are ever committed.
+pub const COMPILE_STACK_BYTES: usize = 256 << 20;
+
+/// Whether a `grammar` text is llama.cpp's GBNF (its first rule is `name ::= ...`) rather than Lark.
+pub fn is_gbnf(text: &str) -> bool {
+    gbnf::is_gbnf(text)
+}
 
 /// What a reply must follow.
 #[derive(Clone, Copy, Debug)]
@@ -37,6 +58,8 @@ pub enum Spec<'a> {
     JsonObject,
     /// A Lark grammar (llguidance's dialect: `%json { ... }`, special tokens as `<...>`).
     Lark(&'a str),
+    /// A GBNF grammar (llama.cpp's: `root ::= ...`), read as Lark.
+    Gbnf(&'a str),
     /// One tool call, or with `parallel` one or more ([`MAX_PARALLEL_CALLS`] at most), to the given OpenAI tools
     /// (`{"type": "function", "function": {"name", "parameters"}}`), arguments following each one's parameters.
     ToolCalls { tools: &'a [Value], parallel: bool },
@@ -58,13 +81,66 @@ pub struct Reply {
     pub stop_ids: Vec<u32>,
 }
 
-/// A grammar the client sent that cannot be used, with llguidance's reason.
+/// A grammar, schema or set of tools the client sent that cannot be used: why, in words for the client.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GrammarError(pub String);
+pub struct GrammarError {
+    /// What is wrong (no parser state, no backtrace).
+    pub message: String,
+    /// The [`Limits`] field it exceeds, if that is why.
+    pub limit: Option<&'static str>,
+    /// llguidance failed inside (it panicked): `message` says so in general, this is the detail for the server's
+    /// log.
+    pub internal: Option<String>,
+}
+
+impl GrammarError {
+    pub fn new(message: String) -> GrammarError {
+        GrammarError { message, limit: None, internal: None }
+    }
+
+    /// llguidance's error as a message for the client: a panic becomes a general message (its text and
+    /// backtrace kept in `internal`); otherwise the lines of the error without the grammar source it quotes,
+    /// joined and cut to 400 characters.
+    fn from_llguidance(e: &str) -> GrammarError {
+        if e.starts_with("panic:") || e.contains("<backtrace>") {
+            return GrammarError {
+                message: "the grammar compiler failed on this grammar (an internal error, logged by the server); \
+                          try a simpler one"
+                    .into(),
+                limit: None,
+                internal: Some(e.to_owned()),
+            };
+        }
+        let lines = e.lines().map(str::trim).filter(|l| {
+            let source = l.split_once(" | ").is_some_and(|(n, _)| n.trim().bytes().all(|b| b.is_ascii_digit()));
+            let marker = l.starts_with('<') && l.ends_with("/>"); // `<non-verbose/>`
+            !l.is_empty() && !source && !marker && !l.bytes().all(|b| b == b'^' || b == b' ')
+        });
+        let text = lines.collect::<Vec<_>>().join(" ");
+        let message = match text.char_indices().nth(400) {
+            Some((i, _)) => format!("{}...", &text[..i]),
+            None => text,
+        };
+        GrammarError { message, limit: None, internal: None }
+    }
+}
+
+/// A matcher's error while generating (the grammar cannot go on: no token extends it, too many parser items), as
+/// a message for the client without llguidance's markers, state or backtrace.
+fn runtime_error(e: &str) -> String {
+    let e = GrammarError::from_llguidance(e);
+    match e.internal {
+        Some(_) => "the grammar failed while generating (an internal error of the grammar engine)".into(),
+        None if e.message.contains("NoExtensionBias") => {
+            "the grammar failed while generating: no token can continue it here".into()
+        }
+        None => format!("the grammar failed while generating: {}", e.message),
+    }
+}
 
 impl std::fmt::Display for GrammarError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.message)
     }
 }
 
@@ -77,6 +153,46 @@ pub struct Grammars {
     vocab: usize,
     /// The ids of "\n" and "\n\n", with their newline counts: what may follow `</think>` before the grammar.
     newlines: Arc<Vec<(u32, usize)>>,
+    limits: Limits,
+}
+
+/// A spec checked against the [`Limits`], with its grammar written out: what [`Grammars::build`] compiles.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    key: String,
+    grammar: Option<TopLevelGrammar>,
+}
+
+impl Prepared {
+    /// Everything the compiled grammar depends on, as text: equal keys compile to the same grammar (for caches).
+    /// Empty when there is no grammar.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Whether there is a grammar to compile (else [`Grammars::build`] is free).
+    pub fn has_grammar(&self) -> bool {
+        self.grammar.is_some()
+    }
+
+    fn lark(text: String) -> Prepared {
+        Prepared { key: format!("lark\n{text}"), grammar: Some(TopLevelGrammar::from_lark(text)) }
+    }
+
+    fn json(schema: Value) -> Prepared {
+        let key = format!("json\n{}", serde_json::to_string(&schema).unwrap_or_default());
+        Prepared { key, grammar: Some(TopLevelGrammar::from_json_schema(schema)) }
+    }
+}
+
+/// A compiled grammar before any token: [`Compiled::fresh`] copies it for another reply.
+pub struct Compiled(Option<Matcher>);
+
+impl Compiled {
+    /// An independent copy (its own lexer state: replies using copies do not wait on each other).
+    pub fn fresh(&self) -> Compiled {
+        Compiled(self.0.as_ref().map(Matcher::deep_clone))
+    }
 }
 
 impl Grammars {
@@ -84,10 +200,12 @@ impl Grammars {
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Grammars, GrammarError> {
         let path = dir.as_ref().join("tokenizer.json");
         let bt = toktrie_hf_tokenizers::ByteTokenizer::from_file(&path)
-            .map_err(|e| GrammarError(format!("{}: {e:#}", path.display())))?;
-        let env: TokEnv = bt.into_tok_env(None).map_err(|e| GrammarError(format!("{e:#}")))?;
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError(format!("{e:#}")))?;
+            .map_err(|e| GrammarError::new(format!("{}: {e:#}", path.display())))?;
+        let env: TokEnv = bt.into_tok_env(None).map_err(|e| GrammarError::new(format!("{e:#}")))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::new(format!("{e:#}")))?;
         factory.quiet();
+        // Errors without the parser's state and the grammar (they go back to the client).
+        factory.limits_mut().verbose_errors = false;
         let trie = env.tok_trie();
         let vocab = trie.vocab_size();
         let newlines = (0..vocab as u32)
@@ -97,7 +215,17 @@ impl Grammars {
                 _ => None,
             })
             .collect();
-        Ok(Grammars { factory, vocab, newlines: Arc::new(newlines) })
+        Ok(Grammars { factory, vocab, newlines: Arc::new(newlines), limits: Limits::default() })
+    }
+
+    /// These limits instead of the defaults.
+    pub fn with_limits(mut self, limits: Limits) -> Grammars {
+        self.limits = limits;
+        self
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     /// Ids a mask covers (the tokenizer's).
@@ -105,35 +233,83 @@ impl Grammars {
         self.vocab
     }
 
-    /// Compile `spec` for one reply. Errors are the client's (a schema or grammar llguidance refuses).
-    pub fn compile(&self, spec: Spec, reply: &Reply) -> Result<Constrained, GrammarError> {
-        let grammar = match spec {
+    /// Check `spec` against the limits and write its grammar: cheap (linear in its size, no recursion), on any
+    /// thread. Errors are the client's.
+    pub fn prepare(&self, spec: Spec) -> Result<Prepared, GrammarError> {
+        let l = &self.limits;
+        let lark = |text: String, what: &str| -> Result<Prepared, GrammarError> {
+            l.check_lark(&text, what)?;
+            Ok(Prepared::lark(text))
+        };
+        match spec {
             Spec::JsonSchema { schema, strict } => {
                 if !schema.is_object() && !schema.is_boolean() {
-                    return Err(GrammarError("the JSON schema must be an object".into()));
+                    return Err(GrammarError::new("the JSON schema must be an object".into()));
                 }
-                Some(TopLevelGrammar::from_json_schema(with_options(schema, strict)))
+                l.check_schema(schema, "the JSON schema", &mut SchemaTally::default())?;
+                Ok(Prepared::json(with_options(schema, strict)))
             }
-            Spec::JsonObject => Some(TopLevelGrammar::from_json_schema(with_options(&json!({"type": "object"}), true))),
-            Spec::Lark(text) => {
-                if text.trim().is_empty() {
-                    return Err(GrammarError("the grammar is empty".into()));
+            Spec::JsonObject => Ok(Prepared::json(with_options(&json!({"type": "object"}), true))),
+            Spec::Lark(text) | Spec::Gbnf(text) if text.trim().is_empty() => {
+                Err(GrammarError::new("the grammar is empty".into()))
+            }
+            Spec::Lark(text) => lark(text.to_owned(), "the grammar"),
+            Spec::Gbnf(text) => {
+                if text.len() > l.grammar_bytes {
+                    return Err(GrammarError {
+                        limit: Some("grammar_bytes"),
+                        ..GrammarError::new(format!(
+                            "the grammar is {} bytes long; at most {} are accepted (grammar_bytes)",
+                            text.len(),
+                            l.grammar_bytes
+                        ))
+                    });
                 }
-                Some(TopLevelGrammar::from_lark(text.to_owned()))
+                lark(gbnf::to_lark(text)?, "the GBNF grammar (read as Lark)")
             }
-            Spec::ToolCalls { tools, parallel } => Some(TopLevelGrammar::from_lark(tool_calls_lark(tools, parallel)?)),
-            Spec::Free => None,
-        };
-        let matcher = match grammar {
-            Some(g) => {
-                let m = Matcher::new(self.factory.create_parser(g));
-                if let Some(e) = m.get_error() {
-                    return Err(GrammarError(e));
+            Spec::ToolCalls { tools, parallel } => {
+                let mut tally = SchemaTally::default();
+                for t in tools {
+                    let f = t.get("function").unwrap_or(t);
+                    if let Some(p) = f.get("parameters") {
+                        let name = clip(f.get("name").and_then(Value::as_str).unwrap_or_default());
+                        l.check_schema(p, &format!("the parameters of tool '{name}'"), &mut tally)?;
+                    }
                 }
-                Some(m)
+                lark(tool_calls_lark(tools, parallel)?, "the grammar of the forced tool call")
             }
-            None => None,
-        };
+            Spec::Free => Ok(Prepared { key: String::new(), grammar: None }),
+        }
+    }
+
+    /// Compile a prepared spec with llguidance: milliseconds to (within the limits) a second, recursing along the
+    /// grammar's chains: run it on a thread with [`COMPILE_STACK_BYTES`] of stack. A panic in llguidance is an
+    /// error (with [`GrammarError::internal`] set).
+    pub fn build(&self, p: &Prepared) -> Result<Compiled, GrammarError> {
+        let Some(g) = &p.grammar else { return Ok(Compiled(None)) };
+        let made = catch_unwind(AssertUnwindSafe(|| {
+            let m = Matcher::new(self.factory.create_parser(g.clone()));
+            match m.get_error() {
+                Some(e) => Err(e),
+                None => Ok(m),
+            }
+        }));
+        match made {
+            Ok(Ok(m)) => Ok(Compiled(Some(m))),
+            Ok(Err(e)) => Err(GrammarError::from_llguidance(&e)),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(GrammarError::from_llguidance(&format!("panic: {what}")))
+            }
+        }
+    }
+
+    /// The constraint of one reply over a compiled grammar (cheap: the reasoning and stop masks).
+    pub fn constrained(&self, compiled: Compiled, reply: &Reply) -> Constrained {
         let words = self.vocab.div_ceil(32);
         let bit = |w: &mut [u32], id: u32| {
             if (id as usize) < self.vocab {
@@ -160,8 +336,8 @@ impl Grammars {
             }
             Arc::new(w)
         });
-        Ok(Constrained {
-            matcher,
+        Constrained {
+            matcher: compiled.0,
             reasoning,
             lead: 0,
             newlines: self.newlines.clone(),
@@ -169,7 +345,34 @@ impl Grammars {
             budget: reply.reasoning_budget,
             stops: Arc::new(stops),
             vocab: self.vocab,
-        })
+        }
+    }
+
+    /// [`Grammars::prepare`], [`Grammars::build`] on a thread of its own with [`COMPILE_STACK_BYTES`] of stack,
+    /// and [`Grammars::constrained`]. Errors are the client's.
+    pub fn compile(&self, spec: Spec, reply: &Reply) -> Result<Constrained, GrammarError> {
+        let p = self.prepare(spec)?;
+        let compiled = if p.has_grammar() {
+            std::thread::scope(|s| {
+                let t = std::thread::Builder::new()
+                    .name("tern-grammar".into())
+                    .stack_size(COMPILE_STACK_BYTES)
+                    .spawn_scoped(s, || self.build(&p))
+                    .map_err(|e| GrammarError::new(format!("cannot start a thread to compile the grammar: {e}")))?;
+                t.join().unwrap_or_else(|_| Err(GrammarError::new("the grammar compiler failed".into())))
+            })?
+        } else {
+            Compiled(None)
+        };
+        Ok(self.constrained(compiled, reply))
+    }
+}
+
+/// At most 64 characters of `s` (with "..." when cut): client text quoted in messages.
+fn clip(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_owned(),
     }
 }
 
@@ -223,11 +426,11 @@ impl Constrained {
         let Some(m) = &mut self.matcher else { return Ok(None) };
         if m.is_stopped() {
             if let Some(e) = m.get_error() {
-                return Err(e);
+                return Err(runtime_error(&e));
             }
             return Ok(Some(self.stops.to_vec()));
         }
-        let vob = m.compute_mask().map_err(|e| format!("{e:#}"))?;
+        let vob = m.compute_mask().map_err(|e| runtime_error(&format!("{e:#}")))?;
         let mut words: Vec<u32> = vob.as_slice().iter().copied().take(self.stops.len()).collect();
         words.resize(self.stops.len(), 0);
         // llguidance's end of sequence (`<|endoftext|>`, and `<|im_end|>` where it counts it) means "complete":
@@ -250,7 +453,7 @@ impl Constrained {
             }
         }
         if words.iter().all(|&w| w == 0) {
-            return Err("the grammar allows no token here".into());
+            return Err("the grammar failed while generating: it allows no token here".into());
         }
         Ok(Some(words))
     }
@@ -274,7 +477,7 @@ impl Constrained {
             self.lead = 0;
         }
         match &mut self.matcher {
-            Some(m) if !m.is_stopped() => m.consume_token(token).map_err(|e| format!("{e:#}")),
+            Some(m) if !m.is_stopped() => m.consume_token(token).map_err(|e| runtime_error(&format!("{e:#}"))),
             _ => Ok(()),
         }
     }
@@ -310,7 +513,7 @@ fn lark_str(s: &str) -> String {
 /// The Lark grammar of forced tool calls in the checkpoint's XML format.
 fn tool_calls_lark(tools: &[Value], parallel: bool) -> Result<String, GrammarError> {
     if tools.is_empty() {
-        return Err(GrammarError("a forced tool call needs at least one tool".into()));
+        return Err(GrammarError::new("a forced tool call needs at least one tool".into()));
     }
     let mut g = String::new();
     if parallel {
@@ -323,9 +526,9 @@ fn tool_calls_lark(tools: &[Value], parallel: bool) -> Result<String, GrammarErr
     for (i, tool) in tools.iter().enumerate() {
         let f = tool.get("function").unwrap_or(tool);
         let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
-        let name = name.ok_or_else(|| GrammarError(format!("tool {i} has no name")))?;
+        let name = name.ok_or_else(|| GrammarError::new(format!("tool {i} has no name")))?;
         if name.contains(['>', '\n']) {
-            return Err(GrammarError(format!("the tool name {name:?} cannot be written in a tool call")));
+            return Err(GrammarError::new(format!("the tool name {:?} cannot be written in a tool call", clip(name))));
         }
         let strict = f.get("strict").and_then(Value::as_bool).unwrap_or(false);
         let empty = Map::new();
@@ -338,22 +541,49 @@ fn tool_calls_lark(tools: &[Value], parallel: bool) -> Result<String, GrammarErr
         let mut body = vec![lark_str(&format!("<function={name}>\n"))];
         for (k, (key, schema)) in props.iter().enumerate() {
             if key.contains(['>', '\n']) || key.is_empty() {
-                return Err(GrammarError(format!("the parameter name {key:?} of '{name}' cannot be written")));
+                return Err(GrammarError::new(format!(
+                    "the parameter name {:?} of '{}' cannot be written",
+                    clip(key),
+                    clip(name)
+                )));
             }
             let rule = format!("p_{i}_{k}");
             body.push(if required.contains(&key.as_str()) { rule.clone() } else { format!("{rule}?") });
             let head = lark_str(&format!("<parameter={key}>\n"));
-            let value = param_value(&mut g, &format!("{i}_{k}"), schema, strict);
+            let value = param_value(&mut g, &format!("{i}_{k}"), &with_defs(schema, params), strict);
             g += &format!("{rule}: {head} {value}\n");
         }
         for r in &required {
             if !props.contains_key(*r) {
-                return Err(GrammarError(format!("'{name}' requires '{r}', which its 'properties' does not define")));
+                return Err(GrammarError::new(format!(
+                    "'{}' requires '{}', which its 'properties' does not define",
+                    clip(name),
+                    clip(r)
+                )));
             }
         }
         g += &format!("fn_{i}: {}\n", body.join(" "));
     }
     Ok(g)
+}
+
+/// A parameter's schema with the definitions of the tool's parameters (`$defs`, `definitions`) it does not have
+/// itself: its `$ref`s point into the whole parameters schema (`#/$defs/...`, as pydantic writes them), but it is
+/// compiled on its own.
+fn with_defs(schema: &Value, params: &Map<String, Value>) -> Value {
+    let mut schema = schema.clone();
+    let refers = || schema.to_string().contains("\"$ref\"");
+    if !params.contains_key("$defs") && !params.contains_key("definitions") || !refers() {
+        return schema;
+    }
+    if let Value::Object(m) = &mut schema {
+        for key in ["$defs", "definitions"] {
+            if let (Some(defs), false) = (params.get(key), m.contains_key(key)) {
+                m.insert(key.into(), defs.clone());
+            }
+        }
+    }
+    schema
 }
 
 /// The grammar of one parameter's value with the line closing it, as the parser reads it back (see

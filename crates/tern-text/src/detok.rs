@@ -17,6 +17,9 @@ pub struct DetokConfig {
     pub stop_strings: Vec<String>,
     /// Maximum number of tokens to accept (stop ids included); `None` = unlimited.
     pub max_tokens: Option<usize>,
+    /// Stop strings are not looked for in the text of the first this many tokens (vLLM's `min_tokens`; keeping
+    /// stop ids from being drawn so early is the sampler's part). Their text is emitted as it comes.
+    pub min_tokens: usize,
 }
 
 /// Why generation finished.
@@ -92,6 +95,12 @@ impl<'t> Detokenizer<'t> {
     fn push_bytes(&mut self, bytes: &[u8]) -> Step {
         self.pending.extend_from_slice(bytes);
         self.held.push_str(&take_complete_utf8(&mut self.pending));
+        if self.tokens < self.config.min_tokens {
+            if self.config.max_tokens.is_some_and(|max| self.tokens >= max) {
+                return self.end(Finish::Length);
+            }
+            return Step { text: std::mem::take(&mut self.held), finish: None };
+        }
         // A stop string can only start inside `held`: everything before it was checked.
         let first_stop = self
             .config

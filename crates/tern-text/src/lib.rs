@@ -16,7 +16,7 @@ pub mod tokenizer;
 
 use std::path::PathBuf;
 
-pub use chat::{ChatOptions, ChatTemplate};
+pub use chat::{ChatOptions, ChatTemplate, Rendered};
 pub use constraint::{Constrained, GrammarError, Grammars, Reply, Spec};
 pub use detok::{DetokConfig, Detokenizer, Finish, Step};
 pub use parser::{OutputParser, ParseEvent, ToolCall};

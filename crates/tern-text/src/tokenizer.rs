@@ -5,6 +5,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::OnceLock;
 
+use unicode_normalization_alignments::IsNormalized;
+
 use crate::{Result, TextError};
 
 /// Byte-level BPE tokenizer loaded from `tokenizer.json`.
@@ -12,10 +14,12 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Added tokens: id → (content, special). Their text is literal, not byte-level.
     added: HashMap<u32, (String, bool)>,
+    /// Added tokens' contents with their ids, longest first (for [`Self::added_token_at`]).
+    added_longest_first: Vec<(String, u32)>,
     /// Inverse of GPT-2's `bytes_to_unicode`: char of a vocab piece → raw byte.
     char_to_byte: HashMap<char, u8>,
-    /// The most bytes one token stands for (computed on first use).
-    max_token_bytes: OnceLock<usize>,
+    /// The most bytes a token of each class stands for (computed on first use; see [`Self::min_tokens`]).
+    bounds: OnceLock<TokenBounds>,
     /// `inner.get_vocab_size(true)`, which builds the whole vocabulary map on every call (80 ms here; the engine
     /// asks once per request, on the scheduler thread).
     vocab_size: usize,
@@ -32,11 +36,14 @@ impl Tokenizer {
         let path = path.as_ref();
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| TextError::TokenizerLoad { path: path.to_path_buf(), message: e.to_string() })?;
-        let added =
+        let added: HashMap<u32, (String, bool)> =
             inner.get_added_tokens_decoder().into_iter().map(|(id, tok)| (id, (tok.content, tok.special))).collect();
         let char_to_byte = byte_level_chars().into_iter().enumerate().map(|(b, c)| (c, b as u8)).collect();
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Self { inner, added, char_to_byte, max_token_bytes: OnceLock::new(), vocab_size })
+        let mut added_longest_first: Vec<(String, u32)> =
+            added.iter().filter(|(_, (c, _))| !c.is_empty()).map(|(&id, (c, _))| (c.clone(), id)).collect();
+        added_longest_first.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        Ok(Self { inner, added, added_longest_first, char_to_byte, bounds: OnceLock::new(), vocab_size })
     }
 
     /// Encodes text. Special tokens written in the text (e.g. `<|im_start|>`) map to their ids.
@@ -44,6 +51,40 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, add_special).map_err(|e| TextError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Encodes text as text: strings of added tokens in it (`<|im_start|>`, `<think>`, ...) are split like any
+    /// other text, never read as those tokens. For a text holding no such string this is [`Self::encode`]
+    /// (without the post-processor): the same normalizer, pre-tokenizer and BPE, which `encode` runs on the
+    /// pieces between added tokens.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        use tokenizers::{Model, Normalizer, OffsetType, PreTokenizedString, PreTokenizer};
+        let err = |e: tokenizers::Error| TextError::Tokenizer(e.to_string());
+        if text.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pieces = PreTokenizedString::from(text);
+        if let Some(n) = self.inner.get_normalizer() {
+            pieces.normalize(|s| n.normalize(s)).map_err(err)?;
+        }
+        if let Some(p) = self.inner.get_pre_tokenizer() {
+            p.pre_tokenize(&mut pieces).map_err(err)?;
+        }
+        let model = self.inner.get_model();
+        pieces.tokenize(|s| model.tokenize(s.get())).map_err(err)?;
+        let enc = pieces.into_encoding(None, 0, OffsetType::None).map_err(err)?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The added token (e.g. `<|im_end|>`) that `text` starts with, the longest if several do: its id and
+    /// length in bytes.
+    pub fn added_token_at(&self, text: &str) -> Option<(u32, usize)> {
+        self.added_longest_first.iter().find(|(c, _)| text.starts_with(c.as_str())).map(|(c, id)| (*id, c.len()))
+    }
+
+    /// Whether every added token starts with `c` (`<` for this checkpoint).
+    pub fn added_tokens_start_with(&self, c: char) -> bool {
+        self.added_longest_first.iter().all(|(t, _)| t.starts_with(c))
     }
 
     /// Decodes ids to text (special tokens included as text); invalid UTF-8 becomes U+FFFD.
@@ -82,25 +123,96 @@ impl Tokenizer {
 
     /// The most bytes any one token stands for (128 for this checkpoint: a run of spaces).
     pub fn max_token_bytes(&self) -> usize {
-        *self.max_token_bytes.get_or_init(|| {
-            let ids = 0..self.vocab_size() as u32;
-            ids.filter_map(|id| self.token_bytes(id).map(|b| b.len())).max().unwrap_or(1).max(1)
+        self.bounds().space
+    }
+
+    fn bounds(&self) -> &TokenBounds {
+        self.bounds.get_or_init(|| {
+            let mut b = TokenBounds { word: 1, punct: 1, space: 1, digits_alone: false };
+            for id in 0..self.vocab_size() as u32 {
+                let Some(bytes) = self.token_bytes(id) else { continue };
+                let max = match bytes.iter().map(|&x| ByteClass::of(x)).min() {
+                    Some(ByteClass::Word | ByteClass::Digit) => &mut b.word,
+                    Some(ByteClass::Punct) => &mut b.punct,
+                    Some(ByteClass::Space) => &mut b.space,
+                    None => continue,
+                };
+                *max = (*max).max(bytes.len());
+            }
+            // A class's bytes may also be covered by the tokens of the classes before it.
+            b.punct = b.punct.max(b.word);
+            b.space = b.space.max(b.punct);
+            // The Qwen pre-tokenizer's `\p{N}` alternative makes every digit a piece, hence a token, of its own
+            // (unless an added token, matched before pre-tokenizing, holds one).
+            let pre = self.inner.get_pre_tokenizer().and_then(|p| serde_json::to_string(p).ok()).unwrap_or_default();
+            b.digits_alone = pre.contains(r"|\\p{N}|")
+                && self.added.values().all(|(content, _)| !content.bytes().any(|x| x.is_ascii_digit()));
+            b
         })
     }
 
-    /// A lower bound on `encode(text, false).len()`, from the length alone (no tokenising): the tokens' bytes
-    /// concatenate to the NFC-normalised text, no token is longer than [`Self::max_token_bytes`], NFC leaves ASCII
-    /// as it is, and NFC composition shrinks other text at most 3x (Hangul jamo: 9 bytes to 3), counted here as 4x.
-    /// A text whose bound exceeds the context cannot fit it, so it can be refused before the (costly) encoding.
+    /// A lower bound on `encode(text, false).len()` (and on [`Self::encode_text`]'s), from a count of the text's
+    /// bytes by class (no tokenising; ~2 ms a MB): the tokens' bytes concatenate to the NFC-normalised text, and a
+    /// token of letters (digits, non-ASCII: `word`) is at most 48 bytes long, one of ASCII punctuation and control
+    /// characters 114, one of spaces 128 (the longest of each class in the vocabulary); every ASCII digit is a
+    /// token of its own. A text that NFC leaves as it is (the quick check says so for almost every text) is
+    /// counted as it is; otherwise NFC may compose non-ASCII text (at most 3x: Hangul jamo, 9 bytes to 3) and
+    /// turn it into ASCII punctuation (U+037E to `;`): its non-ASCII bytes count a quarter, as punctuation. A text
+    /// whose bound exceeds the context cannot fit it, so it can be refused before the (costly) encoding: 4 MB of
+    /// English is at least ~70k tokens (a flat bytes / 128 said 31k, under a 32k context).
     pub fn min_tokens(&self, text: &str) -> usize {
-        let ascii = text.bytes().filter(u8::is_ascii).count();
-        let normalised_at_least = ascii + (text.len() - ascii) / 4;
-        normalised_at_least / self.max_token_bytes()
+        let b = self.bounds();
+        let mut counts = [0u64; 4];
+        for &x in text.as_bytes() {
+            counts[ByteClass::of(x) as usize] += 1;
+        }
+        let [mut word, mut digit, mut punct, space] = counts;
+        if !b.digits_alone {
+            (word, digit) = (word + digit, 0);
+        }
+        let non_ascii = text.bytes().filter(|x| !x.is_ascii()).count() as u64;
+        if non_ascii > 0 && unicode_normalization_alignments::is_nfc_quick(text.chars()) != IsNormalized::Yes {
+            (word, punct) = (word - non_ascii, punct + non_ascii / 4);
+        }
+        let (w, p, s) = (b.word as u128, b.punct as u128, b.space as u128);
+        let rest = (word as u128 * p * s + punct as u128 * w * s + space as u128 * w * p) / (w * p * s);
+        usize::try_from(digit as u128 + rest).unwrap_or(usize::MAX)
     }
 
     /// Whether `id` is a special added token (e.g. `<|im_end|>`, `<think>`).
     pub fn is_special(&self, id: u32) -> bool {
         self.added.get(&id).is_some_and(|(_, special)| *special)
+    }
+}
+
+/// The longest token of each class of [`ByteClass`] (a token's class: its first class in that order), in bytes,
+/// each at least the one before; and whether every ASCII digit is a token of its own.
+#[derive(Clone, Copy, Debug)]
+struct TokenBounds {
+    word: usize,
+    punct: usize,
+    space: usize,
+    digits_alone: bool,
+}
+
+/// What [`Tokenizer::min_tokens`] counts a byte as: a byte of a word (an ASCII letter or any non-ASCII byte), an
+/// ASCII digit, ASCII punctuation or control, or a space.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum ByteClass {
+    Word = 0,
+    Digit = 1,
+    Punct = 2,
+    Space = 3,
+}
+
+impl ByteClass {
+    fn of(x: u8) -> ByteClass {
+        match x {
+            b' ' => ByteClass::Space,
+            b'0'..=b'9' => ByteClass::Digit,
+            b'a'..=b'z' | b'A'..=b'Z' | 0x80.. => ByteClass::Word,
+            _ => ByteClass::Punct,
+        }
     }
 }
 

@@ -162,7 +162,7 @@ REASON: /[a-z ]{1,20}/
         (Spec::JsonSchema { schema: &json!("x"), strict: false }, "object"),
     ] {
         let e = g.compile(spec, &reply(false)).err().unwrap_or_else(|| panic!("{what}: compiled"));
-        assert!(e.0.contains(what), "{what}: {e}");
+        assert!(e.message.contains(what), "{what}: {e}");
     }
     let strict = g.compile(
         Spec::JsonSchema { schema: &json!({"type": "string", "format": "no-such"}), strict: true },
@@ -274,4 +274,159 @@ fn reasoning_cannot_end_the_reply_and_a_budget_closes_it() {
     assert!(allows(&m, THINK_END_ID), "budget spent: </think> is forced");
     c.commit(THINK_END_ID).unwrap();
     assert_eq!(c.mask().unwrap(), None, "no grammar: free after the reasoning");
+}
+
+/// Issue 39: a 300-link `$ref` chain or an 800-rule Lark chain overflowed a 2 MiB thread's stack while compiling
+/// (the process aborted). They compile now (on a thread of their own with a large stack, here from an ordinary
+/// test thread), and longer chains are refused before llguidance sees them, naming the limit.
+#[test]
+fn deep_chains_compile_or_are_refused_and_never_overflow() {
+    let Some((g, _)) = load("deep_chains_compile_or_are_refused_and_never_overflow") else { return };
+    let ref_chain = |n: usize| {
+        let mut defs = serde_json::Map::new();
+        for i in 0..n {
+            let v = if i + 1 < n {
+                json!({"type": "object", "properties": {"next": {"$ref": format!("#/$defs/d{}", i + 1)}},
+                       "required": ["next"]})
+            } else {
+                json!({"type": "string"})
+            };
+            defs.insert(format!("d{i}"), v);
+        }
+        json!({"$ref": "#/$defs/d0", "$defs": defs})
+    };
+    let rule_chain = |n: usize| {
+        let mut t = String::from("start: r0\n");
+        for i in 0..n {
+            t += &format!("r{i}: \"a\" r{}\n", i + 1);
+        }
+        t + &format!("r{n}: \"b\"\n")
+    };
+    let t0 = Instant::now();
+    let schema = ref_chain(300);
+    g.compile(Spec::JsonSchema { schema: &schema, strict: false }, &reply(false)).unwrap();
+    g.compile(Spec::Lark(&rule_chain(800)), &reply(false)).unwrap();
+    // The longest accepted chains, with the margin the stack is sized for.
+    let schema = ref_chain(900);
+    g.compile(Spec::JsonSchema { schema: &schema, strict: false }, &reply(false)).unwrap();
+    g.compile(Spec::Lark(&rule_chain(4900)), &reply(false)).unwrap();
+    println!("deep chains compiled in {:.2} s", t0.elapsed().as_secs_f64());
+    let schema = ref_chain(2000);
+    let e = g.compile(Spec::JsonSchema { schema: &schema, strict: false }, &reply(false)).err().unwrap();
+    assert_eq!(e.limit, Some("ref_depth"), "{e}");
+    let e = g.compile(Spec::Lark(&rule_chain(6000)), &reply(false)).err().unwrap();
+    assert_eq!(e.limit, Some("rules"), "{e}");
+    // The same chain in a forced tool's parameter (its `$ref` points into the parameters' `$defs`).
+    let chain = ref_chain(300);
+    let params = json!({"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "required": ["x"],
+                        "$defs": chain["$defs"]});
+    let tools = [json!({"type": "function", "function": {"name": "f", "parameters": params}})];
+    g.compile(Spec::ToolCalls { tools: &tools, parallel: false }, &reply(false)).unwrap();
+}
+
+/// A tool parameter whose `$ref` points into the parameters' `$defs` (pydantic's way) follows the definition (it
+/// was compiled without the `$defs`, and refused).
+#[test]
+fn tool_parameters_follow_refs_to_the_parameters_defs() {
+    let Some((g, tok)) = load("tool_parameters_follow_refs_to_the_parameters_defs") else { return };
+    let tools = vec![json!({"type": "function", "function": {"name": "put", "parameters": {
+        "type": "object",
+        "properties": {"item": {"$ref": "#/$defs/Item"}},
+        "required": ["item"],
+        "$defs": {"Item": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                           "required": ["n"], "additionalProperties": false}}}}})];
+    for seed in 0..4 {
+        let mut c = g.compile(Spec::ToolCalls { tools: &tools, parallel: false }, &reply(false)).unwrap();
+        let (ids, _) = generate(&mut c, seed, 80, |_, _| 0.0);
+        let text = text_of(tok, &ids);
+        let mut p = OutputParser::new(&tools, false).only_offered();
+        let mut events = p.feed(&text);
+        events.extend(p.finish());
+        let calls = ToolCall::collect(&events);
+        assert_eq!(calls.len(), 1, "{text:?}");
+        let args: Value = serde_json::from_str(&calls[0].arguments).unwrap();
+        assert!(args["item"]["n"].as_i64().is_some_and(|n| (0..=9).contains(&n)), "{text:?}");
+    }
+}
+
+/// Issue 39: 100k alternatives compiled for 17-22 s (then llguidance panicked on its symbol table, and the panic
+/// came back with a backtrace); a 100k-value enum in a forced tool the same. Both are refused at once now.
+#[test]
+fn huge_grammars_are_refused_at_once() {
+    let Some((g, _)) = load("huge_grammars_are_refused_at_once") else { return };
+    let t0 = Instant::now();
+    let alts: Vec<String> = (0..100_000).map(|i| format!("\"w{i}\"")).collect();
+    let e = g.compile(Spec::Lark(&format!("start: {}\n", alts.join(" | "))), &reply(false)).err().unwrap();
+    assert!(e.limit.is_some() && e.message.contains("at most"), "{e}");
+    let short: Vec<String> = (0..20_000).map(|i| format!("\"{}\"", i % 10)).collect();
+    let e = g.compile(Spec::Lark(&format!("start: {}\n", short.join("|"))), &reply(false)).err().unwrap();
+    assert_eq!(e.limit, Some("alternatives"), "{e}");
+    let values: Vec<Value> = (0..100_000).map(|i| json!(format!("v{i}"))).collect();
+    let tools = [json!({"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"v": {"type": "string", "enum": values}}, "required": ["v"]}}})];
+    let e = g.compile(Spec::ToolCalls { tools: &tools, parallel: false }, &reply(false)).err().unwrap();
+    assert_eq!(e.limit, Some("enum_values"), "{e}");
+    let schema = json!({"type": "object", "properties": {"v": {"enum": values}}});
+    let e = g.compile(Spec::JsonSchema { schema: &schema, strict: false }, &reply(false)).err().unwrap();
+    assert_eq!(e.limit, Some("enum_values"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "refusing took {:?}", t0.elapsed());
+    // Within the limits, the largest still compile quickly.
+    let t0 = Instant::now();
+    let alts: Vec<String> = (0..9_000).map(|i| format!("\"w{i}\"")).collect();
+    g.compile(Spec::Lark(&format!("start: {}\n", alts.join(" | "))), &reply(false)).unwrap();
+    let values: Vec<Value> = (0..5_000).map(|i| json!(format!("v{i}"))).collect();
+    let tools = [json!({"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"v": {"type": "string", "enum": values}}, "required": ["v"]}}})];
+    g.compile(Spec::ToolCalls { tools: &tools, parallel: false }, &reply(false)).unwrap();
+    println!("9k alternatives and a 5k enum compiled in {:.2} s", t0.elapsed().as_secs_f64());
+}
+
+/// Issue 39: errors held llguidance's parser state and the grammar quoted back; now a few lines of reason.
+#[test]
+fn grammar_errors_are_short_and_hold_no_internals() {
+    let Some((g, _)) = load("grammar_errors_are_short_and_hold_no_internals") else { return };
+    let long_line = format!("start: \"a\" {}bad\nbad: /[z-a]/\n", "\"b\" ".repeat(200));
+    for (spec, what) in [
+        (Spec::Lark(&long_line), "range"),
+        (Spec::Lark("start: %json {\"type\": \"string\", \"pattern\": \"(?=a)\"}"), "look-around"),
+        (Spec::Lark("start: x\nx: \"a\" {5,1}"), ""),
+        (Spec::Gbnf("root ::= missing"), "missing"),
+    ] {
+        let e = g.compile(spec, &reply(false)).err().unwrap_or_else(|| panic!("{what}: compiled"));
+        assert!(e.message.contains(what), "{what}: {e}");
+        assert!(e.message.len() < 500 && !e.message.contains('\n'), "{e}");
+        assert!(!e.message.contains("<backtrace>") && !e.message.contains("\"b\" \"b\" \"b\""), "{e}");
+        assert!(e.internal.is_none(), "{e:?}");
+    }
+}
+
+/// llama.cpp's GBNF in `grammar`: read as Lark, it constrains the reply like a Lark grammar.
+#[test]
+fn gbnf_grammars_constrain_the_reply() {
+    let Some((g, tok)) = load("gbnf_grammars_constrain_the_reply") else { return };
+    assert!(tern_text::constraint::is_gbnf("root ::= \"yes\" | \"no\""));
+    for seed in 0..4 {
+        let mut c = g.compile(Spec::Gbnf("root ::= \"yes\" | \"no\""), &reply(false)).unwrap();
+        let (ids, _) = generate(&mut c, seed, 20, |_, _| 0.0);
+        let text = text_of(tok, &ids);
+        assert!(text == "yes" || text == "no", "{text:?}");
+    }
+    let gbnf = r#"# a small list
+root ::= "[" item ("," ws item){0,3} "]"
+item ::= [0-9] | [a-c]+ | "\"" [^"\\\n,]{1,4} "\""
+ws ::= [ ]?
+"#;
+    let close = closing(tok);
+    for seed in 0..6 {
+        let mut c = g.compile(Spec::Gbnf(gbnf), &reply(false)).unwrap();
+        let (ids, _) = generate(&mut c, seed, 60, |id, _| if close[id as usize] { 6.0 } else { 0.0 });
+        let text = text_of(tok, &ids);
+        let inner = text.strip_prefix('[').and_then(|t| t.strip_suffix(']')).unwrap_or_else(|| panic!("{text:?}"));
+        for item in inner.split(',').map(|i| i.trim_start_matches(' ')) {
+            let digit = item.len() == 1 && item.bytes().all(|b| b.is_ascii_digit());
+            let abc = !item.is_empty() && item.bytes().all(|b| (b'a'..=b'c').contains(&b));
+            let quoted = item.len() >= 3 && item.starts_with('"') && item.ends_with('"');
+            assert!(digit || abc || quoted, "{item:?} in {text:?}");
+        }
+    }
 }

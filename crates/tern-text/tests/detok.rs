@@ -74,6 +74,7 @@ fn stop_ids_and_max_tokens_finish() {
         stop_ids: tern_text::DEFAULT_STOP_IDS.to_vec(),
         stop_strings: vec!["xyz".into()],
         max_tokens: Some(4),
+        min_tokens: 0,
     };
     let mut ids = char_ids(&tok, "Hi");
     ids.push(tern_text::IM_END_ID);
@@ -88,4 +89,21 @@ fn stop_ids_and_max_tokens_finish() {
     detok.push(tern_text::ENDOFTEXT_ID).unwrap();
     let step = detok.push(ids[0]).unwrap();
     assert_eq!(step, Step { text: String::new(), finish: Some(Finish::StopId(248044)) });
+}
+
+/// vLLM's `min_tokens`: no stop string ends the first tokens; their text comes out as it arrives.
+#[test]
+fn min_tokens_holds_off_stop_strings() {
+    let Some(tok) = load("min_tokens_holds_off_stop_strings") else {
+        return;
+    };
+    let config = DetokConfig { stop_strings: vec!["ab".into()], min_tokens: 4, ..DetokConfig::default() };
+    let (texts, finish) = run(&tok, config.clone(), &char_ids(&tok, "abxaby"));
+    assert_eq!((texts.concat(), finish), ("abx".into(), Some(Finish::StopString("ab".into()))));
+    assert_eq!(texts[..2], ["a".to_string(), "b".to_string()], "no hold-back before min_tokens");
+    let (texts, finish) = run(&tok, DetokConfig { min_tokens: 0, ..config.clone() }, &char_ids(&tok, "abxaby"));
+    assert_eq!((texts.concat(), finish), ("".into(), Some(Finish::StopString("ab".into()))));
+    // max_tokens still ends it.
+    let (texts, finish) = run(&tok, DetokConfig { max_tokens: Some(2), ..config }, &char_ids(&tok, "abab"));
+    assert_eq!((texts.concat(), finish), ("ab".into(), Some(Finish::Length)));
 }

@@ -68,8 +68,9 @@ fn special_tokens_have_expected_ids() {
 }
 
 /// `min_tokens` never exceeds the real count (it is what lets the server refuse an over-long prompt before
-/// encoding it), on the texts where the bound is tightest: runs of the longest token (spaces), decomposed text
-/// that NFC composes (Hangul jamo 3x, Latin and Greek with several marks), special tokens, mixed scripts.
+/// encoding it), on the texts where the bound is tightest: runs of the longest token of each class (spaces,
+/// punctuation, letters), digits, decomposed text that NFC composes (Hangul jamo 3x, Latin and Greek with several
+/// marks) or turns into ASCII punctuation (U+037E), special tokens, mixed scripts.
 #[test]
 fn min_tokens_is_a_lower_bound() {
     let Some(tok) = load("min_tokens_is_a_lower_bound") else {
@@ -87,12 +88,28 @@ fn min_tokens_is_a_lower_bound() {
         "<|im_start|>".repeat(500),
         "Grüße 你好 안녕하세요 🦙 ".repeat(300),
         "x".repeat(20_000),
+        "-".repeat(114 * 40),
+        "//".to_owned() + &"-".repeat(112 * 40),
+        "\u{2014}".repeat(16 * 300), // the longest word token: 16 em dashes
+        "\n".repeat(5000),
+        "\u{037E}".repeat(5000),
+        "1234567890".repeat(1000),
+        "x1 y2, z3; ".repeat(1000),
+        "The quick brown fox jumps over the lazy dog. ".repeat(500),
+        include_str!("../src/tokenizer.rs").to_owned(),
     ];
     for text in &texts {
         let n = tok.encode(text, false).unwrap().len();
         let bound = tok.min_tokens(text);
         assert!(bound <= n, "bound {bound} > {n} tokens for {:?}...", text.chars().take(8).collect::<String>());
     }
-    // It is not vacuous: past 4 MiB, ASCII cannot fit a 32k context.
-    assert_eq!(tok.min_tokens(&"x".repeat((4 << 20) + 128)), 32_769);
+    // It is not vacuous: digits count one each; 4 MB of English or of letters cannot fit a 32k context (a bound of
+    // bytes / 128 said 31k: it let them be tokenised, seconds each, before their 400), nor 4 MB of punctuation.
+    assert_eq!(tok.min_tokens(&"1234567890".repeat(1000)), 10_000);
+    let english = "The quick brown fox jumps over the lazy dog. ".repeat(4_000_000 / 45);
+    assert!(tok.min_tokens(&english) > 60_000, "{}", tok.min_tokens(&english));
+    assert_eq!(tok.min_tokens(&"x".repeat(4_000_000)), 83_333);
+    assert_eq!(tok.min_tokens(&"-".repeat(4_000_000)), 35_087);
+    // A run of spaces is what it says: 128 a token.
+    assert_eq!(tok.min_tokens(&" ".repeat(4_000_000)), 31_250);
 }

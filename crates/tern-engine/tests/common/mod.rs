@@ -80,6 +80,7 @@ pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
         stop_ids: vec![],
         logprobs: None,
         constraint: None,
+        min_tokens: 0,
     }
 }
 
