@@ -3,6 +3,9 @@
 # dataset, streamed requests, --max-concurrency, --ignore-eos), kept git-ignored in .whl/vllm_bench/ with three small
 # patches (its PATCHES.md: no vllm or datasets imports; one kept-alive aiohttp session per client process;
 # tokenizer.json read as it is, since transformers 5 re-splits Qwen3.6 prompts and miscounts them).
+# .whl/ is not in the repository: a fresh checkout rebuilds it from PyPI's sdist (`pip download --no-deps
+# --no-binary :all: vllm==0.9.2`, then benchmarks/{benchmark_serving,backend_request_func,benchmark_dataset,
+# benchmark_utils}.py into .whl/vllm_bench/) and makes the three changes above by hand.
 # Device side, from the repo root after tools/cuda-check.sh, carry [".carry", ".whl"]:
 #   bash tools/serve-bench.sh "CONC:IN:OUT:PROMPTS ..."     e.g. "128:1024:128:512 64:1024:1024:256"
 # Serves the full-shape random q4 checkpoint on CUDA (as cuda-run.sh serve does), then runs one client process per
