@@ -47,8 +47,8 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
-use std::time::Instant;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
@@ -157,19 +157,31 @@ impl Sample<'_> {
 pub type MaskResult = Result<Option<Vec<u32>>, String>;
 
 /// The token mask of one draw, filled once by whoever computes it (a constraint worker) and read by the backend
-/// when it samples, which blocks until it is there. Whoever takes on filling a slot must fill it, also on failure
-/// (a slot never filled would block its step forever): the engine's workers fill it from a guard.
+/// when it samples, which blocks until it is there, or until the slot's limit has passed: then the draw fails (the
+/// slot is filled with that error; the worker's late result is dropped), so that one request's slow grammar holds
+/// a step, and every other stream in it, for a bounded time. Whoever takes on filling a slot must fill it, also on
+/// failure (a slot never filled and without a limit would block its step forever): the engine's workers fill it
+/// from a guard.
 #[derive(Debug, Default)]
 pub struct MaskSlot {
     cell: OnceLock<MaskResult>,
     /// Nanoseconds readers spent blocked in [`MaskSlot::wait`]: the part of the mask's cost on the step's path.
     waited_ns: AtomicU64,
+    /// Rung by [`MaskSlot::fill`] for readers blocked in [`MaskSlot::wait`].
+    bell: (Mutex<()>, Condvar),
+    /// The longest [`MaskSlot::wait`] blocks (`None`: as long as it takes).
+    limit: Option<Duration>,
 }
 
 impl MaskSlot {
     /// A slot to be filled later.
     pub fn pending() -> MaskSlot {
         MaskSlot::default()
+    }
+
+    /// A slot to be filled later, whose reader waits at most `limit` for it.
+    pub fn pending_within(limit: Duration) -> MaskSlot {
+        MaskSlot { limit: Some(limit), ..MaskSlot::default() }
     }
 
     /// A slot holding `words` already.
@@ -182,23 +194,42 @@ impl MaskSlot {
     /// Put the result in (the first fill wins; later ones are ignored).
     pub fn fill(&self, r: MaskResult) {
         let _ = self.cell.set(r);
+        let _rung = self.bell.0.lock().unwrap_or_else(PoisonError::into_inner);
+        self.bell.1.notify_all();
     }
 
     pub fn is_filled(&self) -> bool {
         self.cell.get().is_some()
     }
 
-    /// The mask, once filled (blocking until then): `Ok(None)` means no constraint on this draw.
+    /// The mask, once filled (blocking until then, or until the slot's limit: then the draw fails): `Ok(None)`
+    /// means no constraint on this draw.
     pub fn wait(&self) -> Result<Option<&[u32]>> {
-        let r = match self.cell.get() {
-            Some(r) => r,
-            None => {
-                let t0 = Instant::now();
-                let r = self.cell.wait();
-                self.waited_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                r
+        if self.cell.get().is_none() {
+            let t0 = Instant::now();
+            let mut rung = self.bell.0.lock().unwrap_or_else(PoisonError::into_inner);
+            // checked under the bell's lock: a fill between the check and the wait rings after the wait begins
+            while self.cell.get().is_none() {
+                let left = self.limit.map(|l| l.saturating_sub(t0.elapsed()));
+                if left.is_some_and(|l| l.is_zero()) {
+                    drop(rung);
+                    let secs = self.limit.map_or(0.0, |l| l.as_secs_f64());
+                    self.fill(Err(format!(
+                        "computing a token mask took over {secs:.1} s, which would hold every other stream: the \
+                         grammar or schema is too expensive to enforce"
+                    )));
+                    rung = self.bell.0.lock().unwrap_or_else(PoisonError::into_inner);
+                    continue;
+                }
+                rung = match left {
+                    Some(l) => self.bell.1.wait_timeout(rung, l).unwrap_or_else(PoisonError::into_inner).0,
+                    None => self.bell.1.wait(rung).unwrap_or_else(PoisonError::into_inner),
+                };
             }
-        };
+            drop(rung);
+            self.waited_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        let r = self.cell.get().ok_or_else(|| anyhow!("a token mask slot without a result"))?;
         match r {
             Ok(w) => Ok(w.as_deref()),
             Err(e) => Err(anyhow!("the output constraint failed: {e}")),

@@ -50,7 +50,10 @@
 //! the request is admitted (it is ready long before its prompt is read), each next one as soon as the token
 //! before it is drawn, handed to the backend as a [`MaskSlot`] the worker fills while the next step's forward
 //! pass runs. The backend waits on the slot only when it samples, so only the part of a mask's computation that
-//! outlasts the forward pass delays the step ([`Stats::mask_wait_us`]; [`Stats::mask_us`] is the whole).
+//! outlasts the forward pass delays the step ([`Stats::mask_wait_us`]; [`Stats::mask_us`] is the whole). That part
+//! holds every stream of the step, so it is bounded: a draw whose mask is not there
+//! [`EngineConfig::mask_wait_limit`] after the step reaches it fails, and a request whose masks have held steps
+//! [`EngineConfig::mask_stall_budget`] in all ends with an error that says its grammar is too expensive.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -89,6 +92,12 @@ pub struct EngineConfig {
     /// tokens beyond what was cached: reading the prompt in two chunks costs a step (on CUDA ~20 ms alone, ~90
     /// ms for 32 prompts at once), more than re-reading a short prefix next time; 256.
     pub snapshot_min_tokens: usize,
+    /// The longest a step waits, beyond its forward pass, for one constrained draw's token mask before that draw
+    /// fails (every other stream of the step waits with it); 0.5 s.
+    pub mask_wait_limit: Duration,
+    /// A constrained request fails with a clear error once the steps that waited for its masks have been held this
+    /// long in all (by every mask they waited for: several slow grammars together reach it sooner); 1 s.
+    pub mask_stall_budget: Duration,
     /// One line on stderr per step: items, tokens, the backend's time, the time applying the results (prefix-cache
     /// snapshots included), running and waiting requests. Off; `TERN_STEP_LOG=1` turns it on.
     pub step_log: bool,
@@ -104,6 +113,8 @@ impl Default for EngineConfig {
             prefix_cache_bytes: 4 << 30,
             constraint_threads: std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 8)),
             snapshot_min_tokens: 256,
+            mask_wait_limit: Duration::from_millis(500),
+            mask_stall_budget: Duration::from_secs(1),
             step_log: std::env::var("TERN_STEP_LOG").is_ok_and(|v| v == "1"),
         }
     }
@@ -523,6 +534,9 @@ struct Active<'t> {
 struct Masked {
     constraint: Arc<Mutex<Box<dyn TokenConstraint>>>,
     slot: Arc<MaskSlot>,
+    /// Nanoseconds the steps that waited for this request's masks were held in all, by every mask they waited for
+    /// ([`EngineConfig::mask_stall_budget`]).
+    stalled_ns: u64,
 }
 
 /// One mask to compute: commit the token drawn (if any), then fill `slot` with the next draw's mask. A job
@@ -621,6 +635,8 @@ struct Scheduler<'a> {
     rotate: usize,
     /// The mask workers' queue (`None`: none could start).
     masks: Option<Sender<MaskJob>>,
+    /// Nanoseconds the step being applied waited for masks, all its requests' together.
+    step_mask_wait_ns: u64,
 }
 
 impl<'a> Scheduler<'a> {
@@ -641,6 +657,7 @@ impl<'a> Scheduler<'a> {
             cache: PrefixCache::new(cfg.prefix_cache_bytes),
             rotate: 0,
             masks,
+            step_mask_wait_ns: 0,
         }
     }
 
@@ -872,7 +889,8 @@ impl<'a> Scheduler<'a> {
 
     fn activate(&self, mut job: Job, seq: SeqId, cached: usize, admitted: Admitted) -> Active<'a> {
         let masked = job.req.constraint.take().map(|c| {
-            let m = Masked { constraint: Arc::new(Mutex::new(c.0)), slot: Arc::new(MaskSlot::pending()) };
+            let slot = Arc::new(MaskSlot::pending_within(self.cfg.mask_wait_limit));
+            let m = Masked { constraint: Arc::new(Mutex::new(c.0)), slot, stalled_ns: 0 };
             // The first mask, computed while the prompt is read.
             send_mask_job(&self.masks, &m, None);
             m
@@ -959,6 +977,13 @@ impl<'a> Scheduler<'a> {
         let mut fates: Vec<(usize, Fate)> = Vec::with_capacity(plan.len());
         match outcome {
             Ok(results) if results.len() == plan.len() => {
+                // what the step waited for masks, all its requests' together: each request whose mask it waited
+                // for is charged all of it (the step, and every stream in it, was held while that mask was pending)
+                self.step_mask_wait_ns = plan
+                    .iter()
+                    .filter_map(|&(i, _)| self.active.get(i).and_then(|a| a.masked.as_ref()))
+                    .map(|m| m.slot.waited_ns())
+                    .sum();
                 for (&(i, end), r) in plan.iter().zip(results) {
                     fates.push((i, self.apply(i, end, r)));
                 }
@@ -1054,12 +1079,27 @@ impl<'a> Scheduler<'a> {
                 a.suspect = false;
                 let fate = emit_token(a, s.token, s.logprob, self.stats, self.cfg);
                 if let Some(m) = &mut a.masked {
-                    self.stats.mask_wait_us.fetch_add(m.slot.waited_ns() / 1000, Ordering::Relaxed);
+                    let waited = m.slot.waited_ns();
+                    self.stats.mask_wait_us.fetch_add(waited / 1000, Ordering::Relaxed);
+                    if waited > 0 {
+                        m.stalled_ns += self.step_mask_wait_ns.max(waited);
+                    }
+                    if m.stalled_ns > self.cfg.mask_stall_budget.as_nanos() as u64 && matches!(fate, Fate::Continue) {
+                        // Its masks have held the steps, and every stream in them, for too long: it ends here.
+                        let msg = format!(
+                            "the output constraint failed: its token masks held the server's steps for {:.1} s in \
+                             all (over the {:.1} s a request may): the grammar or schema is too expensive to enforce",
+                            m.stalled_ns as f64 / 1e9,
+                            self.cfg.mask_stall_budget.as_secs_f64()
+                        );
+                        let _ = a.job.events.send(Event::Error(msg));
+                        return Fate::Drop;
+                    }
                     if matches!(m.slot.peek(), Some(Ok(None))) {
                         a.masked = None; // the constraint has ended: the rest is free
                     } else if matches!(fate, Fate::Continue) {
                         // The next mask, computed while the next step's forward pass runs.
-                        m.slot = Arc::new(MaskSlot::pending());
+                        m.slot = Arc::new(MaskSlot::pending_within(self.cfg.mask_wait_limit));
                         send_mask_job(&self.masks, m, Some(s.token));
                     }
                 }

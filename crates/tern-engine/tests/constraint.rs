@@ -183,6 +183,61 @@ fn masks_are_computed_beside_the_step() {
     assert!(took < Duration::from_millis(11 * 90), "{took:?}");
 }
 
+/// A grammar whose masks are slow holds every stream of the steps it is in, so its hold is bounded: a mask not there
+/// `mask_wait_limit` after the step reaches it fails the request, and a request whose masks have held the steps
+/// `mask_stall_budget` in all ends with an error; an unconstrained request beside it runs to its end meanwhile.
+#[test]
+fn slow_masks_hold_the_steps_for_a_bounded_time() {
+    let _turn = turn();
+    let tok = tok_or_skip!("slow_masks_hold_the_steps_for_a_bounded_time");
+    let cfg = EngineConfig {
+        mask_wait_limit: Duration::from_millis(300),
+        mask_stall_budget: Duration::from_millis(400),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::start(slow(Duration::from_millis(5)), tok, cfg);
+    // masks of 150 ms beside steps of 5 ms: each draw holds its step ~145 ms; the budget ends it after a few
+    let seq: Vec<u32> = (100..140).collect();
+    let t0 = Instant::now();
+    let slow_rx = engine.submit(request(40, Some(forced(&seq, Duration::from_millis(150))))).unwrap();
+    let free_rx = engine.submit(request(60, None)).unwrap();
+    let (mut toks, mut end) = (vec![], None);
+    for ev in slow_rx {
+        match ev {
+            Event::Token { token, .. } => toks.push(token),
+            done => {
+                end = Some(done);
+                break;
+            }
+        }
+    }
+    let (ended, slow_tokens) = (t0.elapsed(), toks.len());
+    let end = end.expect("a final event");
+    assert!(matches!(&end, Event::Error(e) if e.contains("too expensive")), "{end:?}");
+    assert!(toks.len() >= 2 && toks.len() < 10, "{} tokens before the budget ended it", toks.len());
+    assert_eq!(toks, seq[..toks.len()], "every draw followed its mask");
+    assert!(ended < Duration::from_secs(2), "ended after {ended:?}");
+    let free: Vec<u32> = free_rx
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Token { token, .. } => Some(token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(free, vec![7; 60], "the unconstrained request beside it");
+    // one mask that takes far longer than the limit: the draw fails at the limit, not when the mask is done
+    let t0 = Instant::now();
+    let (toks, done) = run(&engine, request(5, Some(forced(&[40, 41], Duration::from_secs(3)))));
+    let took = t0.elapsed();
+    assert!(toks.is_empty() && matches!(&done, Event::Error(e) if e.contains("took over 0.3 s")), "{toks:?} {done:?}");
+    assert!(took < Duration::from_millis(3000), "a 3 s mask failed after {took:?}");
+    println!(
+        "slow masks: {} tokens, then the stall budget ended the request after {ended:?}; a 3 s mask failed its draw after \
+         {took:?}; the free request beside them ran its 60 tokens",
+        slow_tokens
+    );
+}
+
 #[test]
 fn sample_host_applies_the_mask() {
     let slot = MaskSlot::ready(words(&[3, 9, 200]));
