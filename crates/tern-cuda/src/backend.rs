@@ -3,11 +3,11 @@
 //!
 //! A sequence maps, when it is made, the pages its reservation (prompt + completion) needs: 67 MB of recurrent
 //! state and one 2 MiB page per 2,048 positions of each K and V region; its step buffers and its batch-1 CUDA
-//! graph are its own. A fork shares the source's full K/V pages. With [`CudaOptions::batched_decode`] on, a step is
-//! one forward pass over all its items ([`crate::DeviceModel::forward_seqs`], up to [`MAX_SEQS`] sequences): the
-//! decodes' one-token rows and the prompt chunks (within the prefill chunk's tokens, which the engine's budget keeps
-//! a step to) together, when there are two or more items; a lone item runs alone: one token through its batch-1
-//! decode graph, a prompt chunk through the one-sequence prefill ([`CudaSequence::read`]). Plain greedy `Sample` work without logprobs takes the device argmax (4 bytes to
+//! graph are its own. A fork shares the source's full K/V pages. With [`CudaOptions::batched_decode`] on, a step's
+//! one-token items go through one batched pass ([`crate::batch`], up to [`MAX_SEQS`] sequences) and its prompt
+//! chunks through multi-sequence prefills (within the prefill chunk's tokens) when there are two or more of a kind;
+//! otherwise each item runs alone: one token through its batch-1 decode graph, a prompt chunk through the prefill
+//! kernels ([`CudaSequence::read`]). Plain greedy `Sample` work without logprobs takes the device argmax (4 bytes to
 //! the host); other draws run on the device with [`CudaOptions::gpu_sampling`] (only the ids and asked-for logprobs
 //! come back), else download the logits row and sample on the host with [`sample_host`]. Allocation and fork are
 //! fallible: a pool without room is [`AllocError::Full`] (the engine waits or evicts cache snapshots) unless the
@@ -21,12 +21,11 @@ use cudarc::driver::{sys, DriverError};
 use tern_engine::backend::{check_item, panic_message, Slots};
 use tern_engine::{sample_host, AllocError, Backend, Output, Sampled, SeqId, StateMemory, Want, Work};
 
-use crate::batch::MAX_SEQS;
-use crate::forward::{Draw, RowWant};
+use crate::batch::{Draw, RowWant, MAX_SEQS};
 use crate::pool::PoolFull;
+use crate::prefill::pass_fits;
 use crate::sample::SampleBatch;
 use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState};
-use crate::workspace::pass_fits;
 
 /// The CUDA backend behind the engine's seam (interim: one [`DeviceState`] per sequence, see the module doc).
 pub struct CudaSlots {
@@ -188,14 +187,6 @@ impl Backend for CudaSlots {
         self.cuda.model.prefill.lock().map_or(crate::model::DEFAULT_PREFILL_CHUNK, |p| p.chunk)
     }
 
-    /// One forward pass's sequences ([`MAX_SEQS`]): with batched decode on, a step of that many decodes is one pass.
-    fn max_seqs(&self) -> usize {
-        match self.opts().batched_decode {
-            true => MAX_SEQS,
-            false => 64,
-        }
-    }
-
     fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
         let vocab = self.vocab_size();
         let taken = self.slots.lock().take(work);
@@ -215,14 +206,21 @@ impl Backend for CudaSlots {
             }
         }
         if self.opts().batched_decode {
-            // one forward pass over the step's decodes and prompt chunks together (not items asking for every
-            // position's logits), when there are two or more; prompt chunks past one pass's buffers in more passes
-            let rows: Vec<(usize, usize)> = (0..work.len())
-                .filter(|&i| out[i].is_none() && !(work[i].ids.len() > 1 && matches!(work[i].out, Want::All)))
+            // decode items (one token each) in batched passes when there are two or more
+            let decodes: Vec<usize> = (0..work.len()).filter(|&i| out[i].is_none() && work[i].ids.len() == 1).collect();
+            let mut groups: Vec<(Pass, Vec<usize>)> = Vec::new();
+            if decodes.len() >= 2 {
+                groups.extend(decodes.chunks(MAX_SEQS).map(|g| (Pass::Decode, g.to_vec())));
+            }
+            // prompt chunks (not asking for every position's logits) in multi-sequence prefills when there are two
+            // or more, within the prefill chunk's tokens per pass
+            let prompts: Vec<(usize, usize)> = (0..work.len())
+                .filter(|&i| out[i].is_none() && work[i].ids.len() > 1 && !matches!(work[i].out, Want::All))
                 .map(|i| (i, work[i].ids.len()))
                 .collect();
-            for group in step_passes(&rows, self.step_tokens()) {
-                let results = Self::run_batch(&self.cuda, work, &mut items, &group);
+            groups.extend(prefill_groups(&prompts, self.step_tokens()).into_iter().map(|g| (Pass::Prefill, g)));
+            for (pass, group) in groups {
+                let results = Self::run_batch(&self.cuda, work, &mut items, &group, pass);
                 for (&i, r) in group.iter().zip(results) {
                     out[i] = Some(r);
                 }
@@ -251,48 +249,46 @@ impl Backend for CudaSlots {
     }
 }
 
-/// The forward passes of a step's items `(item, rows)`, in order: every one-token item (a decode row) and the prompt
-/// chunks that [`pass_fits`] the buffers of a `chunk`-row prefill beside the passes' rows, at most [`MAX_SEQS`]
-/// items a pass; the engine's budget makes that one pass a step. A chunk that fits no pass by itself is left out
-/// (it runs alone), and so is a pass of one item (the batch-1 paths: the decode graph, the one-sequence prefill).
-fn step_passes(items: &[(usize, usize)], chunk: usize) -> Vec<Vec<usize>> {
-    let mut passes: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
-    for &(i, k) in items {
-        if k > 1 && !pass_fits(chunk, [k]) {
+/// The multi-sequence prefill passes for prompt chunks `(item, rows)`, in order: consecutive groups of at most
+/// [`MAX_SEQS`] that [`pass_fits`] the buffers of a `chunk`-row prefill. A chunk that fits no pass by itself, and a
+/// group of one, are left out (those run alone).
+fn prefill_groups(prompts: &[(usize, usize)], chunk: usize) -> Vec<Vec<usize>> {
+    let (mut groups, mut group, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    for &(i, k) in prompts {
+        if !pass_fits(chunk, [k]) {
             continue;
         }
-        let fits = |(group, chunks): &(Vec<usize>, Vec<usize>)| {
-            group.len() < MAX_SEQS && (k == 1 || pass_fits(chunk, chunks.iter().copied().chain([k])))
-        };
-        match passes.iter().position(fits) {
-            Some(p) => {
-                passes[p].0.push(i);
-                if k > 1 {
-                    passes[p].1.push(k);
-                }
-            }
-            None => passes.push((vec![i], if k > 1 { vec![k] } else { vec![] })),
+        if group.len() == MAX_SEQS || !pass_fits(chunk, rows.iter().copied().chain([k])) {
+            groups.push(std::mem::take(&mut group));
+            rows.clear();
         }
+        group.push(i);
+        rows.push(k);
     }
-    passes
-        .into_iter()
-        .map(|(mut g, _)| {
-            g.sort_unstable();
-            g
-        })
-        .filter(|g| g.len() >= 2)
-        .collect()
+    groups.push(group);
+    groups.retain(|g| g.len() >= 2);
+    groups
+}
+
+/// Which batched pass a group of items takes.
+#[derive(Clone, Copy)]
+enum Pass {
+    /// One token for each sequence ([`crate::DeviceModel::decode_seqs`]).
+    Decode,
+    /// A prompt chunk for each sequence ([`crate::DeviceModel::prefill_seqs`]).
+    Prefill,
 }
 
 impl CudaSlots {
-    /// The items `group` (indices into `work`, ascending, at most [`MAX_SEQS`]: decode rows and prompt chunks within
-    /// the prefill chunk) in one forward pass: every item gets its own result; a failed
+    /// The items `group` (indices into `work`, at most [`MAX_SEQS`]: one id each for a decode pass, prompt chunks
+    /// within the prefill chunk for a prefill pass) in one batched pass: every item gets its own result; a failed
     /// pass (or a panic inside it) fails them all.
     fn run_batch(
         cuda: &CudaBackend,
         work: &[Work],
         items: &mut [Option<CudaSequence>],
         group: &[usize],
+        pass: Pass,
     ) -> Vec<Result<Output>> {
         let gpu_sampling = cuda.opts.gpu_sampling;
         let want: Vec<RowWant> = group
@@ -318,8 +314,16 @@ impl CudaSlots {
             return group.iter().map(|_| Err(anyhow!("a batched step lost track of its sequences"))).collect();
         }
         let model = cuda.model.clone();
-        let ids: Vec<&[u32]> = group.iter().map(|&i| work[i].ids).collect();
-        let run = || model.forward_seqs(&mut seqs, &ids, &want);
+        let run = || match pass {
+            Pass::Decode => {
+                let ids: Vec<u32> = group.iter().map(|&i| work[i].ids[0]).collect();
+                model.decode_seqs(&mut seqs, &ids, &want)
+            }
+            Pass::Prefill => {
+                let chunks: Vec<&[u32]> = group.iter().map(|&i| work[i].ids).collect();
+                model.prefill_seqs(&mut seqs, &chunks, &want)
+            }
+        };
         let result = catch_unwind(AssertUnwindSafe(run))
             .unwrap_or_else(|p| Err(anyhow!("internal error on the GPU: {}", panic_message(&*p))));
         match result {
@@ -346,29 +350,23 @@ impl CudaSlots {
 mod tests {
     use super::*;
 
-    /// A step's items go into as few forward passes as fit: decode rows and prompt chunks together, prompt chunks
-    /// within the rows and chunks of one prefill chunk, at most MAX_SEQS items a pass; chunks over the prefill chunk
-    /// and passes of one item are left to run alone.
+    /// Prompt chunks go into passes in order, each within the rows and chunks of one prefill chunk and MAX_SEQS
+    /// sequences; lone chunks and chunks over the prefill chunk are left to run alone.
     #[test]
-    fn step_passes_mix_decodes_and_prompt_chunks() {
+    fn prefill_groups_fill_passes_in_order() {
         let p = |lens: &[usize]| lens.iter().copied().enumerate().collect::<Vec<_>>();
-        // decodes and chunks in one pass
-        assert_eq!(step_passes(&p(&[1, 1, 300, 1, 2000]), 4096), vec![vec![0, 1, 2, 3, 4]]);
-        // 33 prompts of 80 rows: 32 fill a pass's 64 chunks of 64 rows, the 33rd is alone; a decode joins the first
-        assert_eq!(step_passes(&p(&[80; 33]), 4096), vec![(0..32).collect::<Vec<_>>()]);
-        let mut lens = vec![80; 33];
-        lens.push(1);
-        assert_eq!(step_passes(&p(&lens), 4096), vec![(0..32).chain([33]).collect::<Vec<_>>()]);
+        // 33 prompts of 80 rows: 32 fill a pass's 64 chunks of 64 rows, the 33rd is alone
+        assert_eq!(prefill_groups(&p(&[80; 33]), 4096), vec![(0..32).collect::<Vec<_>>()]);
         // at most MAX_SEQS a pass
-        let g = step_passes(&p(&[1; 300]), 4096);
-        assert_eq!(g.iter().map(Vec::len).collect::<Vec<_>>(), vec![MAX_SEQS, 300 - MAX_SEQS]);
+        let g = prefill_groups(&p(&[2; 70]), 4096);
+        assert_eq!(g.iter().map(Vec::len).collect::<Vec<_>>(), vec![MAX_SEQS, 70 - MAX_SEQS]);
         // a chunk over the prefill chunk is skipped; the rest still group around it
-        assert_eq!(step_passes(&p(&[3000, 5000, 1000, 64]), 4096), vec![vec![0, 2, 3]]);
-        // rows: 3000 + 1000 fit, + 200 does not: it starts a pass of its own, which the decode after it joins
-        assert_eq!(step_passes(&p(&[3000, 1000, 200, 1]), 4096), vec![vec![0, 1, 3]]);
-        assert_eq!(step_passes(&p(&[3000, 1000, 200]), 4096), vec![vec![0, 1]]);
-        assert!(step_passes(&p(&[10]), 4096).is_empty());
-        assert!(step_passes(&p(&[1]), 4096).is_empty());
-        assert!(step_passes(&[], 4096).is_empty());
+        assert_eq!(prefill_groups(&p(&[3000, 5000, 1000, 64]), 4096), vec![vec![0, 2, 3]]);
+        // 4,096 rows but 47 + 16 + 2 chunks: the last starts a pass of its own (left out alone)
+        assert_eq!(prefill_groups(&p(&[3000, 1000, 96]), 4096), vec![vec![0, 1]]);
+        // rows: 3000 + 1000 fit, + 200 does not; the 200 alone is left out
+        assert_eq!(prefill_groups(&p(&[3000, 1000, 200]), 4096), vec![vec![0, 1]]);
+        assert!(prefill_groups(&p(&[10]), 4096).is_empty());
+        assert!(prefill_groups(&[], 4096).is_empty());
     }
 }

@@ -10,7 +10,7 @@ use tern_model::weights::{Linear, Mixer};
 use tern_model::{Config, LayerKind, Weights};
 
 use crate::gpu::{ExpertKind, Experts, Gpu, QMat};
-use crate::workspace::PrefillBuffers;
+use crate::prefill::PrefillBuffers;
 
 /// Tokens one prefill pass reads at most (a longer prompt is read in chunks of this many): large enough that the
 /// GEMMs fill the chip, small enough that the buffers stay around 1 GB at the full shape.
@@ -114,29 +114,16 @@ fn experts(gpu: &Gpu, ms: &[Vec<&QuantMatrix>], what: &str) -> Result<Experts> {
     Ok(Experts { w, s, b, words, groups, gs: first[0].group_size(), tiled: None })
 }
 
-/// `x` with its tile-major copy for the batched step's ring kernels where the shapes allow them ([`Gpu::tile_experts`]).
+/// `x` with its tile-major copy for the batched step's ring kernels where the shapes allow them ([`Gpu::tile_experts`];
+/// `TERN_TILE_EXPERTS=0` leaves it out, for A/B measurements: the batched step then takes the register-streamed expert
+/// kernels).
 fn tiled(g: &Gpu, mut x: Experts, kind: ExpertKind, c: &Config) -> Result<Experts> {
     let (h, i, is) = (c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-    if crate::gpu::ring_shapes(x.gs, &[h, i, is]) {
+    let off = std::env::var("TERN_TILE_EXPERTS").is_ok_and(|v| v == "0");
+    if !off && crate::gpu::ring_shapes(x.gs, &[h, i, is]) {
         g.tile_experts(&mut x, kind, c.num_experts, (i, is), h)?;
     }
     Ok(x)
-}
-
-impl DeviceModel {
-    /// What the forward pass's workspace is sized by ([`crate::workspace::Shapes`]).
-    pub fn shapes(&self) -> crate::workspace::Shapes<'_> {
-        let proj_rows = self
-            .layers
-            .iter()
-            .map(|l| match &l.mixer {
-                DMixer::Gdn { proj, .. } => proj.rows,
-                DMixer::Attn { qkv, .. } => qkv.rows,
-            })
-            .max()
-            .unwrap_or(0);
-        crate::workspace::Shapes { gpu: &self.gpu, config: &self.config, proj_rows, layers: self.layers.len() }
-    }
 }
 
 impl DeviceModel {

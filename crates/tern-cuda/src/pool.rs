@@ -760,12 +760,6 @@ impl Drop for SeqMem {
     }
 }
 
-impl<T> crate::gpu::DevBuf<T> for StateBuf<T> {
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use cudarc::driver::{sys, CudaGraph, CudaSlice};
 use tern_model::{Config, Weights};
 
@@ -72,18 +72,6 @@ impl Profile {
             }
             None => self.ops.push((name.to_string(), ms, 1)),
         }
-    }
-
-    /// Add the time between each event and the next to the family named at the first (an empty name: a closing
-    /// event, not a family).
-    pub fn add_events(&mut self, events: &[(&'static str, cudarc::driver::CudaEvent)]) -> anyhow::Result<()> {
-        for w in events.windows(2) {
-            let ((name, a), (_, b)) = (&w[0], &w[1]);
-            if !name.is_empty() {
-                self.add(name, a.elapsed_ms(b)? as f64);
-            }
-        }
-        Ok(())
     }
 }
 
@@ -158,24 +146,6 @@ pub struct StateBytes {
 impl StateBytes {
     pub fn total(&self) -> usize {
         self.kv + self.gdn + self.step
-    }
-}
-
-impl DeviceState {
-    /// Per layer of `m`, this sequence's state as the pass tables hold it: the GDN conv ring and recurrent state, or
-    /// the attention K and V caches ([`crate::workspace::PassTables::set_states`]).
-    pub(crate) fn layer_ptrs(&self, m: &DeviceModel) -> Result<Vec<(u64, u64)>> {
-        ensure!(self.layers.len() == m.layers.len(), "a sequence of another model");
-        m.layers
-            .iter()
-            .zip(&self.layers)
-            .enumerate()
-            .map(|(li, (l, ls))| match (&l.mixer, ls) {
-                (DMixer::Gdn { .. }, LState::Gdn { ring, s }) => Ok((ring.ptr, s.ptr)),
-                (DMixer::Attn { .. }, LState::Attn { k, v }) => Ok((k.ptr, v.ptr)),
-                _ => bail!("layer {li}: state does not match the model's layer kind"),
-            })
-            .collect()
     }
 }
 
@@ -497,11 +467,12 @@ pub struct CudaOptions {
     pub max_context: usize,
     /// Tokens one prefill pass reads at most (longer reads go in chunks of this many).
     pub prefill_chunk: usize,
-    /// A step's items go through one forward pass ([`crate::DeviceModel::forward_seqs`]) when there are two or more;
-    /// otherwise (or with this off: tests compare the two) each through its own batch-1 graph or prefill. Default: on.
+    /// Decode items of a step (one token each) go through one batched pass ([`crate::batch`]) when there are two or
+    /// more, and the prompt chunks of a step through one multi-sequence prefill; otherwise each through its own
+    /// batch-1 graph or prefill. Default: on; `TERN_BATCH_DECODE=0` turns it off.
     pub batched_decode: bool,
     /// Draws other than plain greedy run on the device ([`crate::sample`]): only the ids and asked-for logprobs
-    /// cross to the host. Default: on (tests compare it with the host sampler).
+    /// cross to the host. Default: on; `TERN_GPU_SAMPLING=0` turns it off.
     pub gpu_sampling: bool,
     /// Bytes of device memory for sequence state (the page pool: KV caches and recurrent states of running
     /// sequences and prefix-cache snapshots). `None`: what is free once the weights are up, less
@@ -517,8 +488,8 @@ impl Default for CudaOptions {
         CudaOptions {
             max_context: 8192,
             prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
-            batched_decode: true,
-            gpu_sampling: true,
+            batched_decode: std::env::var("TERN_BATCH_DECODE").map_or(true, |v| v != "0"),
+            gpu_sampling: std::env::var("TERN_GPU_SAMPLING").map_or(true, |v| v != "0"),
             state_memory: None,
         }
     }

@@ -8,8 +8,7 @@
 //! Without a CUDA device each test prints `NO GPU: <name> not run ...` and passes; `TERN_REQUIRE_CUDA=1` turns
 //! that into a failure.
 
-use tern_cuda::batch::MAX_SEQS;
-use tern_cuda::forward::{Draw, RowWant, StepRoutes};
+use tern_cuda::batch::{Draw, RowWant, StepRoutes, MAX_SEQS};
 use tern_cuda::sample::{sample_reference, SampleBatch};
 use tern_cuda::seq::CudaOptions;
 use tern_cuda::{gpu_or_skip, CudaBackend, CudaSlots, DeviceState};
@@ -196,139 +195,6 @@ fn batched_decode_full_shape() {
         );
         assert_eq!(seen.rows, b * steps, "full shape: rows held alike");
         assert!(max <= yx && seen.same == seen.decided, "full shape, batch of {b}: median {med} max {max}");
-    }
-}
-
-/// One forward pass mixing decode rows and prompt chunks ([`tern_cuda::DeviceModel::forward_seqs`]): 16 decodes at
-/// different positions and 3 prompt chunks of different lengths (5, 64 and 130 tokens, one into an empty sequence),
-/// interleaved in the item list, against each sequence alone (a decode through the batch-1 graph, a chunk through the
-/// one-sequence prefill): each item's last-row logits within transformers' bf16-vs-f32 distance and greedy ids equal
-/// where the top-2 gap exceeds 2%, over the items routed alike in every row (tiny-b), or with the routing held to
-/// what the sequences alone chose (the full shape, whose random routers have near ties everywhere); then a decode-only
-/// pass over all 19 sequences against the batch-1 graph again, so the mixed pass left every state as alone.
-#[test]
-fn mixed_step_matches_each_sequence_alone() {
-    let Some(_g) = gpu_or_skip("mixed_step_matches_each_sequence_alone") else { return };
-    let tiny = CudaBackend::new(&tiny_b_q4(), CudaOptions::with_context(512)).unwrap();
-    let full = CudaBackend::random(&full_config(), 5, CudaOptions::with_context(512)).unwrap();
-    let (ym, yx) = yardstick();
-    for (name, be, hold) in [("tiny-b", &tiny, false), ("full shape", &full, true)] {
-        let m = &be.model;
-        let (v, k, layers) = (m.config.vocab_size, m.config.num_experts_per_tok, m.config.num_layers());
-        let log_len = layers * (k + 1);
-        // items 0..19: chunks at 2 (5 tokens), 9 (64 tokens, an empty sequence) and 17 (130 tokens)
-        let chunk_len = |i: usize| match i {
-            2 => Some(5),
-            9 => Some(64),
-            17 => Some(130),
-            _ => None,
-        };
-        let n = 19;
-        let (mut mixed, mut alone) = (Vec::new(), Vec::new());
-        for i in 0..n {
-            let mut st = be.new_cuda_sequence().unwrap().st;
-            if i != 9 {
-                st.prefill(m, &prompt(i as u64, 1 + (i * 37) % 150, v), false, false).unwrap();
-            }
-            let mut twin = st.fork(m, usize::MAX).unwrap();
-            twin.route_log = Some(m.gpu.zeros::<i32>(log_len).unwrap());
-            alone.push(twin);
-            mixed.push(st);
-        }
-        let ids: Vec<Vec<u32>> = (0..n)
-            .map(|i| match chunk_len(i) {
-                Some(c) => prompt(100 + i as u64, c, v),
-                None => vec![(i * 7919 % v) as u32],
-            })
-            .collect();
-        // alone: logits of each item's last row, and every row's routed experts per layer
-        let mut la = Vec::new();
-        let mut ra: Vec<Vec<Vec<usize>>> = Vec::new();
-        for (i, st) in alone.iter_mut().enumerate() {
-            if chunk_len(i).is_some() {
-                let out = st.prefill(m, &ids[i], true, true).unwrap();
-                la.push(out.logits[(ids[i].len() - 1) * v..].to_vec());
-                ra.push(out.routes);
-            } else {
-                st.set_token(&m.gpu, ids[i][0]).unwrap();
-                st.step_graph(m).unwrap();
-                la.push(m.gpu.download(&st.logits).unwrap());
-                ra.push(logged_routes(be, st));
-            }
-        }
-        // the pass's row order: the chunks' rows, then the decode rows (items in order within each)
-        let order: Vec<usize> =
-            (0..n).filter(|&i| chunk_len(i).is_some()).chain((0..n).filter(|&i| chunk_len(i).is_none())).collect();
-        let mut routes: Vec<Vec<usize>> = vec![Vec::new(); layers];
-        if hold {
-            routes = (0..layers).map(|li| order.iter().flat_map(|&i| ra[i][li].iter().copied()).collect()).collect();
-        }
-        let want = vec![RowWant { logits: true, draw: Draw::Argmax(v) }; n];
-        let refs: Vec<&[u32]> = ids.iter().map(|c| c.as_slice()).collect();
-        let rows = {
-            let mut mrefs: Vec<&mut DeviceState> = mixed.iter_mut().collect();
-            let ctl = if hold { StepRoutes::Hold(&routes) } else { StepRoutes::Log(&mut routes) };
-            m.forward_profiled(&mut mrefs, &refs, &want, None, Some(ctl), true).unwrap()
-        };
-        // which items were routed alike in every row (held: all)
-        let mut alike = vec![true; n];
-        let mut r0 = 0;
-        for &i in &order {
-            let len = ids[i].len();
-            alike[i] = (0..layers).all(|li| routes[li][r0 * k..(r0 + len) * k] == ra[i][li][..len * k]);
-            r0 += len;
-        }
-        let (mut dist, mut decided, mut same) = (Vec::new(), 0, 0);
-        for (i, row) in rows.iter().enumerate() {
-            let (l, t) = (row.logits.as_ref().unwrap(), row.token.as_ref().unwrap().as_ref().unwrap());
-            assert_eq!(t.token as usize, argmax(l), "{name} item {i}: the device's greedy draw vs its logits");
-            assert_eq!(mixed[i].len, alone[i].len, "{name} item {i}: lengths");
-            if !alike[i] {
-                continue;
-            }
-            dist.push(rel(l, &la[i]));
-            if top2_gap(&la[i]) > 0.02 {
-                decided += 1;
-                same += (argmax(l) == argmax(&la[i])) as usize;
-            }
-        }
-        let alike_n = alike.iter().filter(|&&a| a).count();
-        let (med, max) = (pct(&dist, 0.5), pct(&dist, 1.0));
-        println!(
-            "{name}: one pass of 16 decodes + chunks of 5 / 64 / 130 tokens, {alike_n} of {n} items routed alike: \
-             logits vs alone median {med:.2e} max {max:.2e} (transformers bf16 vs f32: {ym:.2e} / {yx:.2e}); greedy \
-             ids equal where the top-2 gap > 2%: {same}/{decided}"
-        );
-        assert!(alike_n >= n / 2, "{name}: only {alike_n} of {n} items routed alike");
-        assert!(med <= ym && max <= yx, "{name}: the mixed pass's logits farther from alone than bf16 rounding");
-        assert!(same == decided, "{name}: greedy ids differ");
-        // then every sequence decodes one token in a decode-only pass: the states the mixed pass left behind
-        let next: Vec<u32> = la.iter().map(|l| argmax(l) as u32).collect();
-        let mut la2 = Vec::new();
-        let mut ra2 = Vec::new();
-        for (st, &id) in alone.iter_mut().zip(&next) {
-            st.set_token(&m.gpu, id).unwrap();
-            st.step_graph(m).unwrap();
-            la2.push(m.gpu.download(&st.logits).unwrap());
-            ra2.push(logged_routes(be, st));
-        }
-        let mut routes2: Vec<Vec<usize>> =
-            (0..layers).map(|li| ra2.iter().flat_map(|r: &Vec<Vec<usize>>| r[li].iter().copied()).collect()).collect();
-        let rows2 = {
-            let mut mrefs: Vec<&mut DeviceState> = mixed.iter_mut().collect();
-            let ctl = if hold { StepRoutes::Hold(&routes2) } else { StepRoutes::Log(&mut routes2) };
-            m.decode_seqs_profiled(&mut mrefs, &next, &want, None, Some(ctl)).unwrap()
-        };
-        let mut dist2 = Vec::new();
-        for (i, row) in rows2.iter().enumerate() {
-            let routed_alike = hold || (0..layers).all(|li| routes2[li][i * k..(i + 1) * k] == ra2[i][li][..]);
-            if alike[i] && routed_alike {
-                dist2.push(rel(row.logits.as_ref().unwrap(), &la2[i]));
-            }
-        }
-        let (med2, max2) = (pct(&dist2, 0.5), pct(&dist2, 1.0));
-        println!("  then a decode-only pass over all 19: {} compared, median {med2:.2e} max {max2:.2e}", dist2.len());
-        assert!(dist2.len() >= n / 2 && med2 <= ym && max2 <= yx, "{name}: the states after the mixed pass");
     }
 }
 

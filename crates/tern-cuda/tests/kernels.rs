@@ -146,7 +146,7 @@ fn gdn_step_seqs_equals_gdn_step() {
             let dproj = g.upload(&proj).unwrap();
             let mut out = g.zeros::<u16>(n * vd).unwrap();
             let tables = (&ta.slice(..), &tb.slice(..), &posv);
-            g.gdn_step_seqs(&dproj, ldp, 0, conv, a_log, dt_bias, tables, n, norm, eps, d, &mut out).unwrap();
+            g.gdn_step_seqs(&dproj, ldp, conv, a_log, dt_bias, tables, n, norm, eps, d, &mut out).unwrap();
             let got: Vec<f32> =
                 g.download(&out).unwrap().into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect();
             worst_out = worst_out.max(got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));

@@ -118,7 +118,7 @@ fn gemm_q4_matches_cpu() {
             // (1 slot: a phase flip every unit), the ring kernel (dense_ring) with its columns in each number of ranges
             // that fits the shape, and the register-streamed kernel (dense_ring and dense_tma off)
             let mut dense = String::new();
-            if n <= tern_cuda::prefill::STREAM_ROWS {
+            if n <= tern_cuda::batch::MAX_SEQS {
                 let tgs = 8 * n.div_ceil(8).next_power_of_two();
                 let fits = |kz: usize| gs == 64 && rows % 16 == 0 && cols % (256 * kz) == 0 && cols / kz * tgs <= 32768;
                 #[derive(Clone, Copy)]
