@@ -40,6 +40,16 @@ pub(crate) fn clip(s: &str) -> String {
 }
 
 impl ApiError {
+    /// 503: the server could not load constrained decoding (`why`), so no request with a grammar can run.
+    pub(crate) fn constraints_unavailable(why: &str) -> ApiError {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "constraints_unavailable",
+            format!("constrained decoding is unavailable on this server: {why}"),
+        )
+    }
+
     pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             status,
@@ -559,14 +569,7 @@ fn format(b: &Body) -> Result<Format, ApiError> {
 /// The request's constraint, checked against the grammar limits and written out (400 naming the field for one
 /// that cannot be used); compiled later, off this thread ([`grammar::attach`]).
 fn constraint(r: &Ready, spec: Option<&Owned>, reply: &Reply) -> Result<PendingConstraint, ApiError> {
-    let g = r.grammars.as_ref().map_err(|e| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "constraints_unavailable",
-            format!("constrained decoding is unavailable on this server: {e}"),
-        )
-    })?;
+    let g = r.grammars.as_ref().map_err(|e| ApiError::constraints_unavailable(e))?;
     let (spec, param) = match spec {
         None => (Spec::Free, "chat_template_kwargs"),
         Some(Owned::Tools(tools, parallel)) => (Spec::ToolCalls { tools, parallel: *parallel }, "tools"),

@@ -209,14 +209,7 @@ impl Drop for Compiler {
 /// Compile the job's constraint, if it has one, and give each of its requests a copy.
 pub(crate) async fn attach(ready: &Ready, job: &mut Job) -> Result<(), ApiError> {
     let Some(p) = &job.constraint else { return Ok(()) };
-    let compiler = ready.compiler.as_ref().map_err(|e| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server_error",
-            "constraints_unavailable",
-            format!("constrained decoding is unavailable on this server: {e}"),
-        )
-    })?;
+    let compiler = ready.compiler.as_ref().map_err(|e| ApiError::constraints_unavailable(e))?;
     let compiled = compiler.compile(ready, p).await?;
     let c = compiler.grammars.constrained(compiled, &p.reply);
     for r in &mut job.requests {
