@@ -7,11 +7,12 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use rayon::prelude::*;
 use serde_json::{json, Value};
-use tern_engine::{read_logits, Backend, CpuBackend};
+use tern_engine::{read_logits, Backend, CpuBackend, Output, Sample, Verify, Want, Work};
 use tern_model::mlx::QuantSpec;
 use tern_model::random::RandomValues;
 use tern_model::weights::{Linear, Mixer};
 use tern_model::{Config, LayerKind, LoadOptions, Weights};
+use tern_text::SamplingParams;
 
 use crate::hub::resolve_model;
 
@@ -49,6 +50,11 @@ pub struct Args {
     /// dependency wait returned, when it ended; totals per kernel family).
     #[arg(long)]
     pub trace: bool,
+    /// Also decode with speculative decoding, this many drafts a step (1-4; the model's MTP block drafts): tokens a
+    /// step, each draft position's acceptance, the verify step's time beside a plain step, and tokens/s. Random
+    /// weights accept almost nothing; `tern random-model --mtp-accept P` writes a model that accepts a chosen share.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=4))]
+    pub speculative: u64,
 }
 
 fn read_config(cfg: &std::path::Path) -> Result<Config> {
@@ -64,6 +70,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     match args.backend.as_str() {
         "cpu" if args.trace => bail!("--trace traces the CUDA decode step: give --backend cuda"),
+        "cuda" if args.speculative > 0 => bail!("--speculative: the CUDA backend has no verify pass yet (issue 38)"),
         "cpu" => {}
         "cuda" => {
             let max_ctx = args.ctx.iter().max().copied().unwrap_or(0) + 256;
@@ -98,6 +105,12 @@ pub fn run(args: Args) -> Result<()> {
         _ => bail!("give --model DIR_OR_ID, or --random-weights --config CONFIG"),
     };
     let load_s = t0.elapsed().as_secs_f64();
+    let w = std::sync::Arc::new(w);
+    let k = args.speculative as usize;
+    if k > 0 && w.mtp.is_none() {
+        bail!("--speculative: {}", w.mtp_off_reason().unwrap_or_else(|| "the model has no MTP block".into()));
+    }
+    let drafting = CpuBackend::new(w.clone()).speculative(true);
     let backend = CpuBackend::new(w);
     let w = backend.weights();
     let bw = memory_bandwidth();
@@ -114,7 +127,7 @@ pub fn run(args: Args) -> Result<()> {
         let bytes = decode_bytes(w, ctx);
         let (prefill_tps, decode_tps) = (ctx as f64 / ttft, DECODE_STEPS as f64 / decode_s);
         let ceiling = bw / bytes as f64;
-        let row = json!({
+        let mut row = json!({
             "ctx": ctx, "ttft_s": ttft, "prefill_tok_s": prefill_tps, "decode_tok_s": decode_tps,
             "decode_bytes_per_token": bytes, "ceiling_tok_s": ceiling, "pct_of_ceiling": 100.0 * decode_tps / ceiling,
         });
@@ -125,6 +138,34 @@ pub fn run(args: Args) -> Result<()> {
                 bytes as f64 / 1e6,
                 100.0 * decode_tps / ceiling
             );
+        }
+        if k > 0 {
+            spec_once(&drafting, &prompt, k, 8)?; // warm-up
+            let runs = (0..args.repeats)
+                .map(|_| spec_once(&drafting, &prompt, k, DECODE_STEPS))
+                .collect::<Result<Vec<_>>>()?;
+            let mid = runs.len() / 2;
+            let mut by_time: Vec<&Spec> = runs.iter().collect();
+            by_time.sort_by(|a, b| a.secs.total_cmp(&b.secs));
+            let r = by_time[mid];
+            let (tps, per_step) = (r.tokens as f64 / r.secs, r.tokens as f64 / r.steps as f64);
+            let verify_ms = 1e3 * r.secs / r.steps as f64;
+            let plain_ms = 1e3 * decode_s / DECODE_STEPS as f64;
+            let accept: Vec<f64> =
+                r.accepted.iter().zip(&r.checked).map(|(a, c)| *a as f64 / (*c).max(1) as f64).collect();
+            row["speculative"] = json!({
+                "drafts": k, "tokens_per_step": per_step, "acceptance_by_position": accept,
+                "verify_step_ms": verify_ms, "plain_step_ms": plain_ms, "tok_s": tps, "speedup": tps / decode_tps,
+            });
+            if !args.json {
+                let acc: Vec<String> = accept.iter().map(|a| format!("{a:.2}")).collect();
+                println!(
+                    "            speculative, {k} drafts: {per_step:.2} tokens a step (acceptance by position {}) | \
+                     verify step {verify_ms:.2} ms, plain {plain_ms:.2} ms | {tps:>7.2} tok/s = {:.2}x plain",
+                    acc.join(" / "),
+                    tps / decode_tps
+                );
+            }
         }
         rows.push(row);
     }
@@ -160,6 +201,60 @@ fn run_once(b: &CpuBackend, prompt: &[u32], steps: usize) -> Result<(f64, f64)> 
             next = argmax(&read_logits(b, seq, &[next], false)?);
         }
         Ok((ttft, t1.elapsed().as_secs_f64()))
+    })();
+    b.free(seq);
+    run
+}
+
+/// What one speculative run measured.
+struct Spec {
+    /// Tokens produced, verify steps, and their seconds.
+    tokens: usize,
+    steps: usize,
+    secs: f64,
+    /// Per draft position: drafts checked and accepted.
+    checked: Vec<usize>,
+    accepted: Vec<usize>,
+}
+
+/// One greedy run with `k` drafts a step through the backend's verify items (batch 1), until `tokens` tokens.
+fn spec_once(b: &CpuBackend, prompt: &[u32], k: usize, tokens: usize) -> Result<Spec> {
+    let seq = b.alloc(prompt.len() + tokens + k + 1)?;
+    let run = (|| {
+        let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+        let limit = b.vocab_size();
+        let draws = |n: usize| -> Vec<Sample> {
+            (0..n)
+                .map(|_| Sample { params: &greedy, seed: 0, history: &[], top_logprobs: None, limit, mask: None })
+                .collect()
+        };
+        let verify = |ids: &[u32], rows: usize| -> Result<(Vec<u32>, Vec<u32>)> {
+            let out = Want::Verify(Verify { draws: draws(rows), drafts: k });
+            match b.step(&[Work { seq, ids, out }]).pop() {
+                Some(Ok(Output::Drafted { tokens, drafts })) => Ok((tokens.iter().map(|s| s.token).collect(), drafts)),
+                Some(Ok(o)) => bail!("the backend returned {o:?} for a verify"),
+                Some(Err(e)) => Err(e),
+                None => bail!("the backend returned no result"),
+            }
+        };
+        let (first, mut drafts) = verify(prompt, 1)?;
+        let mut last = first.last().copied().context("no first token")?;
+        let mut s = Spec { tokens: 0, steps: 0, secs: 0.0, checked: vec![0; k], accepted: vec![0; k] };
+        let t0 = Instant::now();
+        while s.tokens < tokens {
+            let ids: Vec<u32> = std::iter::once(last).chain(drafts.iter().copied()).collect();
+            let (got, next) = verify(&ids, ids.len())?;
+            for j in 0..drafts.len() {
+                s.checked[j] += 1;
+                s.accepted[j] += (j + 1 < got.len()) as usize;
+            }
+            s.tokens += got.len();
+            s.steps += 1;
+            last = got.last().copied().context("a verify drew nothing")?;
+            drafts = next;
+        }
+        s.secs = t0.elapsed().as_secs_f64();
+        Ok(s)
     })();
     b.free(seq);
     run

@@ -66,7 +66,13 @@ struct Answer {
 
 impl Session {
     fn new(args: GenArgs) -> Result<Session> {
-        let model = crate::load::load_model(&args.model, &args.backend, args.ctx_size, None)?;
+        let model = crate::load::load_model(&tern_server::cli::Load {
+            model: args.model.clone(),
+            backend: args.backend.clone(),
+            ctx: args.ctx_size,
+            state: None,
+            speculative: 0,
+        })?;
         let cfg = EngineConfig { ctx_size: args.ctx_size, ..EngineConfig::default() };
         let engine = Engine::start(model.backend.clone(), model.tokenizer.clone(), cfg);
         let thinking = !args.no_think;

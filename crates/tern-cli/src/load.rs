@@ -8,6 +8,8 @@ use anyhow::{bail, Result};
 use tern_engine::Model;
 use tern_model::{LoadOptions, Weights};
 
+use tern_server::cli::Load;
+
 use crate::hub::resolve_model;
 
 /// The checkpoint tern is built for, served when no `--model` is given.
@@ -15,8 +17,11 @@ pub const DEFAULT_MODEL: &str = "mlx-community/Qwen3.6-35B-A3B-4bit";
 
 /// Resolve `model` (directory or Hugging Face id) and load it on `backend`: `cpu`, `cuda`, or `auto` (CUDA
 /// when this build has kernels and a device answers, else CPU). `ctx` is the context of one sequence, `state` the
-/// bytes of the CUDA state pool (None: the default, see `CudaOptions::state_memory`).
-pub fn load_model(model: &str, backend: &str, ctx: usize, state: Option<usize>) -> Result<Model> {
+/// bytes of the CUDA state pool (None: the default, see `CudaOptions::state_memory`), `speculative` the drafts a
+/// step (0: off; the log says when it cannot be on).
+pub fn load_model(what: &Load) -> Result<Model> {
+    let Load { model, backend, ctx, state, speculative } = what.clone();
+    let (model, backend) = (model.as_str(), backend.as_str());
     let dir = resolve_model(model)?;
     let use_cuda = match backend {
         "cpu" => false,
@@ -57,11 +62,18 @@ pub fn load_model(model: &str, backend: &str, ctx: usize, state: Option<usize>) 
             derived / 1e9
         );
         eprintln!("tern: {}", capacity_line(&be, ctx));
+        if speculative > 0 {
+            eprintln!("tern: speculative decoding is off: the cuda backend has no verify pass yet");
+        }
         Model::with_backend(&dir, Arc::new(tern_cuda::CudaSlots::new(be)))?
     } else {
-        Model::load_cpu(&dir)?
+        Model::load_cpu_with(&dir, speculative > 0)?
     };
     eprintln!("tern: {} on {}", dir.display(), model.backend.name());
+    if speculative > 0 && model.backend.max_drafts() > 0 {
+        let k = speculative.min(model.backend.max_drafts());
+        eprintln!("tern: speculative decoding: the MTP block drafts {k} tokens a step");
+    }
     Ok(model)
 }
 

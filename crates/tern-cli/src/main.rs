@@ -87,6 +87,16 @@ enum Cmd {
         /// Override a text_config field, e.g. `--set hidden_size=64 --set num_hidden_layers=4` (JSON values).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
+        /// Instead of plain random weights, a model built to measure speculative decoding: greedy decoding follows
+        /// a fixed cycle through the ordinary token ids, and the MTP block's first draft is right (the token the
+        /// model then produces) with probability FIRST, each later chained draft, after a right one, with
+        /// probability LATER (default FIRST). Per-position acceptance is FIRST, FIRST·LATER, …: `0.8,0.5375`
+        /// gives the published 0.80 / 0.43. The layers still compute everything (full speed) but add nothing to
+        /// the residual stream; config.json records the construction. Needs an MTP layer and a wide enough hidden
+        /// size (for the real vocabulary ≥ 384 with one probability, ≥ 832 with two); see
+        /// tern_model::random::Construction.
+        #[arg(long, value_name = "FIRST[,LATER]")]
+        mtp_accept: Option<tern_model::random::MtpAccept>,
     },
 }
 
@@ -111,8 +121,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Logits { model, ids, out, split, backend, quantize } => {
             logits(&model, &ids, &out, split, &backend, quantize)
         }
-        Cmd::RandomModel { config, out, dtype, seed, tokenizer_from, set, quant } => {
-            random_model(&config, &out, quant.as_deref().unwrap_or(&dtype), seed, tokenizer_from.as_deref(), &set)
+        Cmd::RandomModel { config, out, dtype, seed, tokenizer_from, set, quant, mtp_accept } => {
+            let dtype = quant.as_deref().unwrap_or(&dtype);
+            random_model(&config, &out, dtype, seed, tokenizer_from.as_deref(), &set, mtp_accept)
         }
     }
 }
@@ -183,7 +194,15 @@ fn logits(model: &Path, ids: &str, out: &Path, split: Option<usize>, backend: &s
     Ok(())
 }
 
-fn random_model(config: &Path, out: &Path, dtype: &str, seed: u64, tok: Option<&Path>, set: &[String]) -> Result<()> {
+fn random_model(
+    config: &Path,
+    out: &Path,
+    dtype: &str,
+    seed: u64,
+    tok: Option<&Path>,
+    set: &[String],
+    mtp_accept: Option<tern_model::random::MtpAccept>,
+) -> Result<()> {
     let path = if config.is_dir() { config.join("config.json") } else { config.to_path_buf() };
     let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut cfg: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
@@ -199,17 +218,24 @@ fn random_model(config: &Path, out: &Path, dtype: &str, seed: u64, tok: Option<&
             }
         }
     }
-    if dtype == "q4" {
-        return tern_model::random::write_random_mlx(&cfg, out, seed, tok);
-    }
-    let dtype = match dtype {
-        "bf16" | "bfloat16" => Dtype::BF16,
-        "f16" | "float16" => Dtype::F16,
-        "f32" | "float32" => Dtype::F32,
-        d => bail!("--dtype {d}: expected bf16, f16 or f32"),
-    };
     let t0 = Instant::now();
-    tern_model::random::write_random_model(&cfg, out, dtype, seed, tok)?;
+    if dtype == "q4" {
+        tern_model::random::write_random_mlx_with(&cfg, out, seed, tok, mtp_accept)?;
+    } else {
+        let dtype = match dtype {
+            "bf16" | "bfloat16" => Dtype::BF16,
+            "f16" | "float16" => Dtype::F16,
+            "f32" | "float32" => Dtype::F32,
+            d => bail!("--dtype {d}: expected bf16, f16 or f32"),
+        };
+        tern_model::random::write_random_model_with(&cfg, out, dtype, seed, tok, mtp_accept)?;
+    }
     eprintln!("wrote {} in {:.1}s", out.display(), t0.elapsed().as_secs_f64());
+    if let Some(a) = mtp_accept {
+        eprintln!(
+            "constructed MTP: first drafts right with probability {}, later drafts (after a right one) {}",
+            a.first, a.later
+        );
+    }
     Ok(())
 }

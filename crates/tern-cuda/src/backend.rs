@@ -115,6 +115,7 @@ impl CudaSlots {
                 let mut logits = seq.forward_ids(w.ids)?;
                 sample_host(&mut logits, s).map(Output::Token)
             }
+            Want::Verify(_) => Err(anyhow!("the CUDA backend has no verify pass yet (max_drafts is 0)")),
         }
     }
 }
@@ -196,7 +197,11 @@ impl Backend for CudaSlots {
         for (w, got) in work.iter().zip(taken) {
             match got {
                 Ok((seq, reserved)) => {
-                    out.push(check_item(w, vocab, seq.st.len, reserved).err().map(Err));
+                    let checked = check_item(w, vocab, seq.st.len, reserved).and_then(|()| match w.out {
+                        Want::Verify(_) => Err(anyhow!("the CUDA backend has no verify pass yet (max_drafts is 0)")),
+                        _ => Ok(()),
+                    });
+                    out.push(checked.err().map(Err));
                     items.push(Some(seq));
                 }
                 Err(e) => {
@@ -298,7 +303,8 @@ impl CudaSlots {
                 Want::Last | Want::All => RowWant { logits: true, draw: Draw::Nothing },
                 Want::Sample(s) if s.is_argmax() => RowWant { logits: false, draw: Draw::Argmax(s.limit) },
                 Want::Sample(s) if gpu_sampling => RowWant { logits: false, draw: Draw::Sample(s) },
-                Want::Sample(_) => RowWant { logits: true, draw: Draw::Nothing },
+                // (never here: a verify item fails its checks in `step`)
+                Want::Sample(_) | Want::Verify(_) => RowWant { logits: true, draw: Draw::Nothing },
             })
             .collect();
 

@@ -232,6 +232,7 @@ fn backend_step_batches_decodes_and_keeps_items_apart() {
                 Output::Token(t) => (format!("first token {}", t.token), 1.0),
                 Output::Logits(l) => (format!("prompt argmax {}", argmax(&l)), top2_gap(&l)),
                 Output::Nothing => ("nothing".into(), 1.0),
+                o @ Output::Drafted { .. } => panic!("no verify was asked for: {o:?}"),
             });
         }
         let chunk = prompt(9, 40, v);
@@ -251,6 +252,7 @@ fn backend_step_batches_decodes_and_keeps_items_apart() {
                     // logits rows: the argmax (the values differ by bf16 rounding between the two paths)
                     Output::Logits(l) => (format!("argmax {}", argmax(&l)), top2_gap(&l)),
                     Output::Nothing => ("nothing".into(), 1.0),
+                    o @ Output::Drafted { .. } => panic!("no verify was asked for: {o:?}"),
                 });
             }
         }

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
-use tern_model::forward::Part;
+use tern_model::forward::{MtpPart, Part};
 use tern_model::{Logits, State, Weights};
 use tern_text::{Sampler, SamplingParams};
 
@@ -123,6 +123,17 @@ pub enum Want<'a> {
     All,
     /// A token drawn from the logits after the last id ([`Output::Token`]).
     Sample(Sample<'a>),
+    /// Speculative decoding ([`Output::Drafted`]; only for a backend whose [`Backend::max_drafts`] is not 0).
+    Verify(Verify<'a>),
+}
+
+/// Draws over the last rows of an item, checking drafts, and the drafts of the next step (see the module's
+/// `# Speculative decoding`).
+pub struct Verify<'a> {
+    /// One per drawn row: the last `draws.len()` rows of the item's ids (at least one, at most all of them).
+    pub draws: Vec<Sample<'a>>,
+    /// Drafts to propose for the next step, after the token drawn last (0: none); at most [`Backend::max_drafts`].
+    pub drafts: usize,
 }
 
 /// How to draw a token.
@@ -278,6 +289,12 @@ pub enum Output {
     Nothing,
     Logits(Vec<f32>),
     Token(Sampled),
+    /// What a [`Want::Verify`] drew: the accepted drafts, then the token drawn after them (1 to `draws.len()`
+    /// tokens), and the drafts proposed for the next step.
+    Drafted {
+        tokens: Vec<Sampled>,
+        drafts: Vec<u32>,
+    },
 }
 
 /// A drawn token and, when asked, log-probabilities of the model's distribution (before penalties and
@@ -339,6 +356,12 @@ pub trait Backend: Send + Sync {
     fn max_seqs(&self) -> usize {
         64
     }
+
+    /// The most drafts one [`Want::Verify`] may ask for (the backend drafts with the model's multi-token-prediction
+    /// block); 0 (the default): no speculative decoding, and no item may be a [`Want::Verify`].
+    fn max_drafts(&self) -> usize {
+        0
+    }
 }
 
 /// Read `ids` into `seq` as a step of its own and return its logits: every row (`all`) or the last.
@@ -355,6 +378,12 @@ pub fn read_logits(b: &dyn Backend, seq: SeqId, ids: &[u32], all: bool) -> Resul
 /// The host sampler behind [`Want::Sample`]: padding rows masked, log-probabilities of the raw distribution,
 /// then tern-text's sampler seeded with the draw's seed. `logits` is modified.
 pub fn sample_host(logits: &mut [f32], s: &Sample) -> Result<Sampled> {
+    draw_host(logits, s, None).map(|(sampled, _)| sampled)
+}
+
+/// [`sample_host`], or with a `draft`, tern-text's check of the draft ([`Sampler::verify`]: accepted with its
+/// probability, else a draw from the rest); returns the token and whether it is the accepted draft.
+pub fn draw_host(logits: &mut [f32], s: &Sample, draft: Option<u32>) -> Result<(Sampled, bool)> {
     if logits.is_empty() {
         bail!("no logits to sample from");
     }
@@ -386,28 +415,61 @@ pub fn sample_host(logits: &mut [f32], s: &Sample) -> Result<Sampled> {
             bail!("the output constraint allows no token here");
         }
     }
-    let mut token = Sampler::new(params).sample(&mut logits[..limit], s.history);
+    let mut sampler = Sampler::new(params);
+    let (mut token, mut accepted) = match draft {
+        Some(d) if (d as usize) < limit => sampler.verify(&mut logits[..limit], s.history, d),
+        _ => (sampler.sample(&mut logits[..limit], s.history), false),
+    };
     if let Some(words) = mask {
         if !mask_allows(words, token) {
             // Only when every allowed logit is -inf or NaN: the sampler's fallback ignores the mask.
             token = (0..limit as u32).find(|&i| mask_allows(words, i)).unwrap_or(token);
+            accepted = draft == Some(token);
         }
     }
     let logprob =
         logprob.zip(raw).map(|((lse, top), raw)| TokenLogprob { token, logprob: raw[token as usize] - lse, top });
-    Ok(Sampled { token, logprob })
+    Ok((Sampled { token, logprob }, accepted))
+}
+
+/// A [`Want::Verify`]'s draws over `rows` (its last `draws.len()` logits rows): row `j` checks `drafts[j]` (the id
+/// after it; the last row has none), until a draft is rejected. Returns the accepted drafts and the token drawn
+/// after them ([`Output::Drafted`] without the next drafts).
+pub fn verify_host(rows: &mut [f32], v: &Verify, drafts: &[u32]) -> Result<Vec<Sampled>> {
+    let m = v.draws.len();
+    if m == 0 || rows.is_empty() || !rows.len().is_multiple_of(m) || drafts.len() + 1 != m {
+        bail!("a verify item with {m} draws, {} drafts and {} logits", drafts.len(), rows.len());
+    }
+    let width = rows.len() / m;
+    let mut tokens = Vec::with_capacity(m);
+    for (j, (row, s)) in rows.chunks_exact_mut(width).zip(&v.draws).enumerate() {
+        let (sampled, accepted) = draw_host(row, s, drafts.get(j).copied())?;
+        tokens.push(sampled);
+        if !accepted {
+            break;
+        }
+    }
+    Ok(tokens)
 }
 
 /// Sampling, logits copy or nothing, as `want` asks, from the rows a step computed; a panic in the sampler fails
-/// this item only.
-fn finish_item(want: &Want, mut logits: Vec<f32>) -> Result<Output> {
+/// this item only. `ids` are the item's (a verify's drafts are among them).
+fn finish_item(want: &Want, ids: &[u32], mut logits: Vec<f32>) -> Result<Output> {
+    let caught = |f: &mut dyn FnMut() -> Result<Output>| match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => Err(anyhow!("the sampler failed: {}", panic_message(&*p))),
+    };
     match want {
         Want::Nothing => Ok(Output::Nothing),
         Want::Last | Want::All => Ok(Output::Logits(logits)),
-        Want::Sample(s) => match catch_unwind(AssertUnwindSafe(|| sample_host(&mut logits, s))) {
-            Ok(r) => r.map(Output::Token),
-            Err(p) => Err(anyhow!("the sampler failed: {}", panic_message(&*p))),
-        },
+        Want::Sample(s) => caught(&mut || sample_host(&mut logits, s).map(Output::Token)),
+        Want::Verify(v) => {
+            let drafts = &ids[(ids.len() + 1).saturating_sub(v.draws.len())..];
+            caught(&mut || {
+                let tokens = verify_host(&mut logits, v, drafts)?;
+                Ok(Output::Drafted { tokens, drafts: Vec::new() })
+            })
+        }
     }
 }
 
@@ -526,17 +588,47 @@ pub fn check_item(w: &Work, vocab: usize, len: usize, reserved: usize) -> Result
 }
 
 /// The CPU backend: the reference forward pass on all cores, one [`Weights::forward_batch`] per step.
+///
+/// With speculative decoding on ([`CpuBackend::speculative`], a model with an MTP block), every sequence also
+/// keeps the MTP block's KV cache in step with what it has read: a step feeds the block the rows `(hidden_i,
+/// id_{i+1})` of the positions whose next id it now knows (the last position's hidden state waits for the next
+/// id, in [`Mtp::pending`]), so the block's cache always holds one row fewer than the sequence has read. Drafts
+/// are chained from the block (its argmax, fed its own output) after the last drawn token, then those rows are
+/// dropped again. Rejected drafts leave nothing behind: the verify rows keep their Gated DeltaNet states
+/// ([`State::keep_rows`]) and the sequence goes back to the last accepted one ([`State::rewind`]) — a copy of the
+/// recurrent state per verify row instead of a second pass over the accepted ones.
 pub struct CpuBackend {
     weights: Arc<Weights>,
     /// Bytes of sequence state it may hold (`None`: no limit but the machine's).
     capacity: Option<usize>,
-    slots: Slots<State>,
+    /// Speculative decoding: every sequence keeps an MTP cache ([`Seq::mtp`]).
+    mtp: bool,
+    slots: Slots<Seq>,
 }
+
+/// A CPU sequence: the model's state and, with speculative decoding, the MTP block's.
+#[derive(Clone)]
+pub struct Seq {
+    main: State,
+    mtp: Option<Mtp>,
+}
+
+/// The MTP block's side of a sequence (see [`CpuBackend`]).
+#[derive(Clone)]
+pub struct Mtp {
+    /// Its KV cache: one row per position the sequence has read, but the last.
+    state: State,
+    /// The main model's post-norm hidden state of the last position read (empty before the first).
+    pending: Vec<f32>,
+}
+
+/// The most drafts a CPU verify takes.
+const CPU_MAX_DRAFTS: usize = 4;
 
 impl CpuBackend {
     /// No limit on sequence state beyond the machine's memory (the engine's `max_concurrent` bounds it).
     pub fn new(weights: impl Into<Arc<Weights>>) -> CpuBackend {
-        CpuBackend { weights: weights.into(), capacity: None, slots: Slots::default() }
+        CpuBackend { weights: weights.into(), capacity: None, mtp: false, slots: Slots::default() }
     }
 
     /// At most `bytes` of sequence state ([`State::bytes_for`] of each sequence's reserved tokens).
@@ -544,16 +636,32 @@ impl CpuBackend {
         CpuBackend { capacity: Some(bytes), ..CpuBackend::new(weights) }
     }
 
+    /// Speculative decoding with the model's MTP block, when `on` and the model has one ([`Backend::max_drafts`]
+    /// says which); before any sequence is made.
+    pub fn speculative(mut self, on: bool) -> CpuBackend {
+        self.mtp = on && self.weights.mtp.is_some();
+        self
+    }
+
     pub fn weights(&self) -> &Weights {
         &self.weights
     }
 
-    fn reserve(&self, t: &Table<State>, tokens: usize) -> Result<usize, AllocError> {
+    fn bytes_for(&self, tokens: usize) -> usize {
         let c = &self.weights.config;
-        let need = State::bytes_for(c, tokens);
+        State::bytes_for(c, tokens) + if self.mtp { State::mtp_bytes_for(c, tokens) } else { 0 }
+    }
+
+    fn new_seq(&self) -> Seq {
+        let mtp = self.mtp.then(|| Mtp { state: State::new_mtp(), pending: Vec::new() });
+        Seq { main: State::new(&self.weights.config), mtp }
+    }
+
+    fn reserve(&self, t: &Table<Seq>, tokens: usize) -> Result<usize, AllocError> {
+        let need = self.bytes_for(tokens);
         let Some(cap) = self.capacity else { return Ok(need) };
         if need > cap {
-            let (fixed, per_token) = (State::bytes_for(c, 0), State::bytes_for(c, 1) - State::bytes_for(c, 0));
+            let (fixed, per_token) = (self.bytes_for(0), self.bytes_for(1) - self.bytes_for(0));
             let max_tokens = cap.saturating_sub(fixed).checked_div(per_token).unwrap_or(usize::MAX);
             return Err(AllocError::TooLarge { tokens, max_tokens: if cap < fixed { 0 } else { max_tokens } });
         }
@@ -562,6 +670,118 @@ impl CpuBackend {
             return Err(AllocError::Full { need, free });
         }
         Ok(need)
+    }
+
+    /// The MTP side of a step: feed each item's newly known rows into its sequence's MTP cache, then chain the
+    /// drafts the verify items ask for. `done[j]` is item `j`'s result and the ids its sequence kept.
+    fn mtp_step(&self, work: &[Work], taken: &mut [(usize, Seq)], hidden: &[Vec<f32>], done: &mut [Result<Output>]) {
+        let h = self.weights.config.hidden_size;
+        // Rows (hidden_i, id_{i+1}) of the positions whose next id is known now.
+        let mut feeds: Vec<(usize, Vec<f32>, Vec<u32>)> = Vec::new();
+        for (j, (i, seq)) in taken.iter_mut().enumerate() {
+            let (w, Some(m)) = (&work[*i], seq.mtp.as_mut()) else { continue };
+            let Ok(out) = &done[j] else { continue };
+            let kept = match out {
+                Output::Drafted { tokens, .. } => w.ids.len() + tokens.len() - verify_rows(&w.out),
+                _ => w.ids.len(),
+            };
+            let (mut hid, mut ids) = (std::mem::take(&mut m.pending), w.ids[..kept].to_vec());
+            if hid.is_empty() {
+                ids.remove(0);
+            }
+            hid.extend_from_slice(&hidden[j][..(kept - 1) * h]);
+            m.pending = hidden[j][(kept - 1) * h..kept * h].to_vec();
+            if !ids.is_empty() {
+                feeds.push((j, hid, ids));
+            }
+        }
+        let errs = {
+            let mut states: Vec<(usize, &mut State)> = Vec::new();
+            let mut by_item: HashMap<usize, &mut State> =
+                taken.iter_mut().enumerate().filter_map(|(j, (_, s))| Some((j, &mut s.mtp.as_mut()?.state))).collect();
+            for (j, _, _) in &feeds {
+                if let Some(st) = by_item.remove(j) {
+                    states.push((*j, st));
+                }
+            }
+            let mut parts: Vec<MtpPart> = feeds
+                .iter()
+                .zip(states.iter_mut())
+                .map(|((_, hid, ids), (_, st))| MtpPart { hidden: hid, ids, state: st, logits: Logits::Skip })
+                .collect();
+            match self.weights.mtp_forward_batch(&mut parts) {
+                Ok(_) => Vec::new(),
+                Err(e) => feeds.iter().map(|f| (f.0, format!("{e:#}"))).collect::<Vec<_>>(),
+            }
+        };
+        for (j, e) in errs {
+            done[j] = Err(anyhow!("the MTP block failed: {e}"));
+        }
+        // Draft chains: (the last hidden state, the token drawn) → d1, (its output, d1) → d2, ...
+        let mut chains: Vec<(usize, usize, Vec<f32>, u32, usize)> = Vec::new(); // (item, drafts, hidden, id, limit)
+        for (j, (i, seq)) in taken.iter().enumerate() {
+            let (Want::Verify(v), Some(m), Ok(Output::Drafted { tokens, .. })) = (&work[*i].out, &seq.mtp, &done[j])
+            else {
+                continue;
+            };
+            if let (Some(last), Some(s)) = (tokens.last(), v.draws.first()) {
+                if v.drafts > 0 && !m.pending.is_empty() {
+                    chains.push((j, v.drafts.min(CPU_MAX_DRAFTS), m.pending.clone(), last.token, s.limit));
+                }
+            }
+        }
+        let mut drafted: HashMap<usize, Vec<u32>> = HashMap::new();
+        let rounds = chains.iter().map(|c| c.1).max().unwrap_or(0);
+        let starts: HashMap<usize, usize> =
+            chains.iter().filter_map(|c| Some((c.0, taken[c.0].1.mtp.as_ref()?.state.pos))).collect();
+        for r in 0..rounds {
+            let live: Vec<usize> = (0..chains.len()).filter(|&c| chains[c].1 > r).collect();
+            let ids: Vec<[u32; 1]> = live.iter().map(|&c| [chains[c].3]).collect();
+            let (used, outs) = {
+                let mut by_item: HashMap<usize, &mut State> = taken
+                    .iter_mut()
+                    .enumerate()
+                    .filter_map(|(j, (_, s))| Some((j, &mut s.mtp.as_mut()?.state)))
+                    .collect();
+                let mut used = Vec::with_capacity(live.len());
+                let mut parts: Vec<MtpPart> = Vec::with_capacity(live.len());
+                for (k, &c) in live.iter().enumerate() {
+                    if let Some(st) = by_item.remove(&chains[c].0) {
+                        used.push(c);
+                        parts.push(MtpPart { hidden: &chains[c].2, ids: &ids[k], state: st, logits: Logits::Last });
+                    }
+                }
+                (used, self.weights.mtp_forward_batch(&mut parts))
+            };
+            let Ok(outs) = outs else { break }; // fewer drafts this step (the rows fed above stand)
+            for (c, o) in used.into_iter().zip(outs) {
+                let limit = chains[c].4.clamp(1, o.logits.len().max(1)).min(o.logits.len());
+                let d = o.logits[..limit]
+                    .iter()
+                    .enumerate()
+                    .fold((0usize, f32::NEG_INFINITY), |b, (id, &l)| if l > b.1 { (id, l) } else { b })
+                    .0 as u32;
+                drafted.entry(chains[c].0).or_default().push(d);
+                (chains[c].2, chains[c].3) = (o.hidden, d);
+            }
+        }
+        // The chained rows are guesses: the cache goes back to the rows of what was read.
+        for (j, start) in starts {
+            if let Some(m) = taken[j].1.mtp.as_mut() {
+                let _ = m.state.rewind(start);
+            }
+            if let (Ok(Output::Drafted { drafts, .. }), Some(d)) = (&mut done[j], drafted.remove(&j)) {
+                *drafts = d;
+            }
+        }
+    }
+}
+
+/// Rows a want draws from (a verify's draws; 0 for the others).
+fn verify_rows(want: &Want) -> usize {
+    match want {
+        Want::Verify(v) => v.draws.len(),
+        _ => 0,
     }
 }
 
@@ -577,13 +797,13 @@ impl Backend for CpuBackend {
     fn alloc(&self, tokens: usize) -> Result<SeqId, AllocError> {
         let mut t = self.slots.lock();
         let bytes = self.reserve(&t, tokens)?;
-        Ok(t.insert(State::new(&self.weights.config), tokens, bytes))
+        Ok(t.insert(self.new_seq(), tokens, bytes))
     }
 
     fn fork(&self, seq: SeqId, tokens: usize) -> Result<SeqId, AllocError> {
         let mut t = self.slots.lock();
         let st = t.get(seq).and_then(|s| s.state.clone()).ok_or(AllocError::Unknown(seq))?;
-        let tokens = tokens.max(st.pos);
+        let tokens = tokens.max(st.main.pos);
         let bytes = self.reserve(&t, tokens)?;
         Ok(t.insert(st, tokens, bytes))
     }
@@ -594,64 +814,123 @@ impl Backend for CpuBackend {
     }
 
     fn len(&self, seq: SeqId) -> Option<usize> {
-        self.slots.lock().get(seq)?.state.as_ref().map(|s| s.pos)
+        self.slots.lock().get(seq)?.state.as_ref().map(|s| s.main.pos)
     }
 
     fn state_bytes(&self, seq: SeqId) -> usize {
-        self.len(seq).map_or(0, |n| State::bytes_for(&self.weights.config, n))
+        self.len(seq).map_or(0, |n| self.bytes_for(n))
     }
 
     fn state_memory(&self) -> Option<StateMemory> {
         Some(StateMemory { used: self.slots.lock().reserved_bytes(), limit: self.capacity })
     }
 
+    fn max_drafts(&self) -> usize {
+        if self.mtp {
+            CPU_MAX_DRAFTS
+        } else {
+            0
+        }
+    }
+
     fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
         let vocab = self.vocab_size();
         let mut results: Vec<Option<Result<Output>>> = work.iter().map(|_| None).collect();
-        let mut taken: Vec<(usize, State)> = Vec::with_capacity(work.len());
+        let mut taken: Vec<(usize, Seq)> = Vec::with_capacity(work.len());
         {
             let mut t = self.slots.lock();
             for (i, (w, got)) in work.iter().zip(t.take(work)).enumerate() {
-                match got.and_then(|(st, reserved)| match check_item(w, vocab, st.pos, reserved) {
-                    Ok(()) => Ok(st),
-                    Err(e) => {
-                        t.put(w.seq, st);
-                        Err(e)
+                let checked = got.and_then(|(st, reserved)| {
+                    let ok = check_item(w, vocab, st.main.pos, reserved).and_then(|()| self.check_verify(w));
+                    match ok {
+                        Ok(()) => Ok(st),
+                        Err(e) => {
+                            t.put(w.seq, st);
+                            Err(e)
+                        }
                     }
-                }) {
+                });
+                match checked {
                     Ok(st) => taken.push((i, st)),
                     Err(e) => results[i] = Some(Err(e)),
                 }
             }
         }
-        let logits = {
+        let starts: Vec<usize> = taken.iter().map(|(_, s)| s.main.pos).collect();
+        let outs = {
+            let hidden = vec![if self.mtp { Logits::All } else { Logits::Skip }; taken.len()];
             let mut parts: Vec<Part> = taken
                 .iter_mut()
                 .map(|(i, st)| {
                     let w = &work[*i];
-                    let logits = match w.out {
+                    let logits = match &w.out {
                         Want::Nothing => Logits::Skip,
                         Want::All => Logits::All,
-                        Want::Last | Want::Sample(_) => Logits::Last,
+                        Want::Verify(v) if v.draws.len() > 1 => {
+                            st.main.keep_rows = true;
+                            Logits::All
+                        }
+                        Want::Last | Want::Sample(_) | Want::Verify(_) => Logits::Last,
                     };
-                    Part { ids: w.ids, state: st, logits }
+                    Part { ids: w.ids, state: &mut st.main, logits }
                 })
                 .collect();
-            self.weights.forward_batch(&mut parts)
+            self.weights.forward_batch_hidden(&mut parts, &hidden)
         };
-        let idx: Vec<usize> = taken.iter().map(|(i, _)| *i).collect();
-        {
-            let mut t = self.slots.lock();
-            for (i, st) in taken {
-                t.put(work[i].seq, st);
+        let (logits, hidden): (Vec<Vec<f32>>, Vec<Vec<f32>>) = outs.into_iter().map(|o| (o.logits, o.hidden)).unzip();
+        let mut done: Vec<Result<Output>> = taken
+            .par_iter()
+            .zip(logits)
+            .map(|((i, _), mut l)| {
+                let w = &work[*i];
+                let m = verify_rows(&w.out);
+                if m > 1 {
+                    // Only the drawn rows (the last m).
+                    let v = l.len() / w.ids.len();
+                    l.drain(..(w.ids.len() - m) * v);
+                }
+                finish_item(&w.out, w.ids, l)
+            })
+            .collect();
+        // Back to the last accepted draft.
+        for (j, ((i, st), start)) in taken.iter_mut().zip(&starts).enumerate() {
+            let w = &work[*i];
+            let kept = match &done[j] {
+                Ok(Output::Drafted { tokens, .. }) => w.ids.len() + tokens.len() - verify_rows(&w.out),
+                _ => w.ids.len(),
+            };
+            if let Err(e) = st.main.rewind(start + kept) {
+                done[j] = Err(anyhow!("cannot go back to the last accepted draft: {e:#}"));
             }
         }
-        let done: Vec<Result<Output>> =
-            idx.par_iter().zip(logits).map(|(&i, l)| finish_item(&work[i].out, l)).collect();
-        for (&i, r) in idx.iter().zip(done) {
-            results[i] = Some(r);
+        if self.mtp {
+            self.mtp_step(work, &mut taken, &hidden, &mut done);
+        }
+        {
+            let mut t = self.slots.lock();
+            for ((i, st), r) in taken.into_iter().zip(done) {
+                t.put(work[i].seq, st);
+                results[i] = Some(r);
+            }
         }
         results.into_iter().map(|r| r.unwrap_or_else(|| Err(anyhow!("internal: step item without a result")))).collect()
+    }
+}
+
+impl CpuBackend {
+    /// A verify item's shape: draws over some of its rows, drafts within [`Backend::max_drafts`].
+    fn check_verify(&self, w: &Work) -> Result<()> {
+        let Want::Verify(v) = &w.out else { return Ok(()) };
+        if !self.mtp {
+            bail!("speculative decoding is off on this backend (a model without an MTP block, or not asked for)");
+        }
+        if v.draws.is_empty() || v.draws.len() > w.ids.len() || v.draws.len() > CPU_MAX_DRAFTS + 1 {
+            bail!("a verify item draws {} rows of {} ids (1 to {})", v.draws.len(), w.ids.len(), CPU_MAX_DRAFTS + 1);
+        }
+        if v.drafts > CPU_MAX_DRAFTS {
+            bail!("{} drafts asked for; this backend drafts at most {CPU_MAX_DRAFTS}", v.drafts);
+        }
+        Ok(())
     }
 }
 
@@ -744,8 +1023,11 @@ impl Backend for ScriptedBackend {
         work.iter()
             .zip(next)
             .map(|(w, next)| {
+                if matches!(w.out, Want::Verify(_)) {
+                    bail!("the scripted backend has no verify pass (max_drafts is 0)");
+                }
                 let rows = if matches!(w.out, Want::All) { w.ids.len() } else { 1 };
-                finish_item(&w.out, self.logits(next?).repeat(rows))
+                finish_item(&w.out, w.ids, self.logits(next?).repeat(rows))
             })
             .collect()
     }
@@ -795,5 +1077,8 @@ where
     }
     fn max_seqs(&self) -> usize {
         self.inner.max_seqs()
+    }
+    fn max_drafts(&self) -> usize {
+        self.inner.max_drafts()
     }
 }

@@ -66,7 +66,7 @@ use anyhow::Result;
 use tern_text::{DetokConfig, Detokenizer, Finish, SamplingParams, Tokenizer, IM_START_ID};
 
 use crate::backend::{
-    panic_message, AllocError, Backend, MaskResult, MaskSlot, Output, Sample, SeqId, TokenLogprob, Want, Work,
+    panic_message, AllocError, Backend, MaskResult, MaskSlot, Output, Sample, SeqId, TokenLogprob, Verify, Want, Work,
 };
 
 #[derive(Clone, Debug)]
@@ -98,6 +98,10 @@ pub struct EngineConfig {
     /// A constrained request fails with a clear error once the steps that waited for its masks have been held this
     /// long in all (by every mask they waited for: several slow grammars together reach it sooner); 1 s.
     pub mask_stall_budget: Duration,
+    /// Speculative decoding: drafts per step for every running request (the model's multi-token-prediction block
+    /// drafts them, one step verifies them; see `# Speculative decoding`); at most the backend's
+    /// [`Backend::max_drafts`] (0 there: off whatever this says). 0 (the default): off.
+    pub speculative: usize,
     /// One line on stderr per step: items, tokens, the backend's time, the time applying the results (prefix-cache
     /// snapshots included), running and waiting requests. Off; `TERN_STEP_LOG=1` turns it on.
     pub step_log: bool,
@@ -115,6 +119,7 @@ impl Default for EngineConfig {
             snapshot_min_tokens: 256,
             mask_wait_limit: Duration::from_millis(500),
             mask_stall_budget: Duration::from_secs(1),
+            speculative: 0,
             step_log: std::env::var("TERN_STEP_LOG").is_ok_and(|v| v == "1"),
         }
     }
@@ -303,6 +308,10 @@ pub struct Stats {
     pub mask_us: AtomicU64,
     /// Microseconds backends waited for a mask when sampling: the part of [`Stats::mask_us`] on the steps' path.
     pub mask_wait_us: AtomicU64,
+    /// Speculative decoding: verify items run, the drafts they checked, and the drafts accepted.
+    pub spec_verifies: AtomicU64,
+    pub spec_drafts: AtomicU64,
+    pub spec_accepted: AtomicU64,
 }
 
 const QUEUED: u8 = 0;
@@ -447,6 +456,7 @@ impl Engine {
         if config.max_concurrent == 0 {
             config.max_concurrent = backend.max_seqs().max(1);
         }
+        config.speculative = config.speculative.min(backend.max_drafts());
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Stats::default());
         let vocab = backend.vocab_size();
@@ -526,47 +536,144 @@ struct Active<'t> {
     masked: Option<Masked>,
     /// The sampling of the first `min_tokens` draws: the request's, with the stop ids biased out.
     early: Option<SamplingParams>,
+    /// Speculative decoding (`None`: off for this request).
+    spec: Option<Spec>,
     /// Counts the request in `Stats::admitted` until it ends (the Active is dropped).
     _admitted: Admitted,
+}
+
+/// A drawing item of a speculating request: its ids (its token or prompt chunk, then its drafts), the history of
+/// its draws (the reply, then the drafts), and the drafts it asks for.
+type VerifyItem = (Vec<u32>, Vec<u32>, usize);
+
+/// A request's speculative decoding: the drafts its next step checks, and how well they have done.
+struct Spec {
+    /// Drafts asked for per step.
+    k: usize,
+    /// Proposed by the last step (checked by the next one).
+    drafts: Vec<u32>,
+    /// Drafts accepted per verify, a moving average (1/8 per verify), against [`SPEC_FLOOR`] · k.
+    rate: f64,
+    /// While drafting is paused (too few accepted): the generated length at which it resumes.
+    paused_until: Option<usize>,
+}
+
+/// A request stops drafting when fewer than this fraction of its drafts are accepted on average (a verify row costs
+/// more than a plain step's share, so drafts that mostly fail make the stream slower), for
+/// [`SPEC_PAUSE_TOKENS`] tokens, then tries again.
+const SPEC_FLOOR: f64 = 0.2;
+const SPEC_PAUSE_TOKENS: usize = 64;
+
+impl Spec {
+    fn new(k: usize) -> Spec {
+        Spec { k, drafts: Vec::new(), rate: 0.5 * k as f64, paused_until: None }
+    }
+
+    /// Drafts to ask the step after `generated` tokens for (0 while paused).
+    fn ask(&mut self, generated: usize) -> usize {
+        match self.paused_until {
+            Some(t) if generated < t => 0,
+            Some(_) => {
+                (self.paused_until, self.rate) = (None, 0.5 * self.k as f64);
+                self.k
+            }
+            None => self.k,
+        }
+    }
+
+    /// A verify of `checked` drafts accepted `accepted` of them.
+    fn record(&mut self, checked: usize, accepted: usize, generated: usize) {
+        if checked == 0 {
+            return;
+        }
+        self.rate += (accepted as f64 - self.rate) / 8.0;
+        if self.rate < SPEC_FLOOR * self.k as f64 {
+            self.paused_until = Some(generated + SPEC_PAUSE_TOKENS);
+            self.drafts.clear();
+        }
+    }
 }
 
 /// A constrained request's constraint (shared with the worker computing its next mask) and that mask's slot.
 struct Masked {
     constraint: Arc<Mutex<Box<dyn TokenConstraint>>>,
     slot: Arc<MaskSlot>,
+    /// With speculative decoding, the masks of the rows after each draft (the constraint advanced over the drafts
+    /// before it); a row after a draft its mask forbids is never reached, and its slot holds an error.
+    draft_slots: Vec<Arc<MaskSlot>>,
     /// Nanoseconds the steps that waited for this request's masks were held in all, by every mask they waited for
     /// ([`EngineConfig::mask_stall_budget`]).
     stalled_ns: u64,
+    /// Set when the request ends (this is dropped): its queued mask jobs are skipped, not computed.
+    ended: Arc<AtomicBool>,
+}
+
+impl Drop for Masked {
+    fn drop(&mut self) {
+        self.ended.store(true, Ordering::SeqCst);
+    }
 }
 
 /// One mask to compute: commit the token drawn (if any), then fill `slot` with the next draw's mask. A job
 /// dropped unrun (the workers are gone) fills its slot with an error, so no step waits for it forever.
 struct MaskJob {
     constraint: Arc<Mutex<Box<dyn TokenConstraint>>>,
-    commit: Option<u32>,
+    /// The request has ended: nothing to compute.
+    ended: Arc<AtomicBool>,
+    commit: Vec<u32>,
     slot: Arc<MaskSlot>,
+    /// Drafts, and the slots of the masks after each (on a copy of the constraint advanced over them).
+    drafts: Vec<u32>,
+    draft_slots: Vec<Arc<MaskSlot>>,
 }
 
 impl Drop for MaskJob {
     fn drop(&mut self) {
-        self.slot.fill(Err("no worker computed the mask (the engine is stopping)".into()));
+        for s in std::iter::once(&self.slot).chain(&self.draft_slots) {
+            s.fill(Err("no worker computed the mask (the engine is stopping)".into()));
+        }
     }
 }
 
 impl MaskJob {
     fn run(&self, stats: &Stats) {
+        if self.ended.load(Ordering::SeqCst) {
+            return; // (dropping the job fills its slots with an error; nobody waits for them)
+        }
         let t0 = Instant::now();
+        let mut drafted: Option<Box<dyn TokenConstraint>> = None;
         let r: MaskResult = catch_unwind(AssertUnwindSafe(|| {
             let mut c = self.constraint.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(t) = self.commit {
+            for &t in &self.commit {
                 c.commit(t).map_err(|e| format!("{e:#}"))?;
             }
-            c.mask().map_err(|e| format!("{e:#}"))
+            let r = c.mask().map_err(|e| format!("{e:#}"));
+            if !self.drafts.is_empty() {
+                drafted = Some(c.box_clone());
+            }
+            r
         }))
         .unwrap_or_else(|p| Err(format!("internal error in the constraint: {}", panic_message(&*p))));
-        stats.mask_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-        stats.masks.fetch_add(1, Ordering::Relaxed);
+        let mut prev = r.clone();
         self.slot.fill(r);
+        // The rows after the drafts, on the copy (the next step draws them only as far as drafts are accepted).
+        for (&d, slot) in self.drafts.iter().zip(&self.draft_slots) {
+            let next: MaskResult = match (&prev, drafted.as_mut()) {
+                (Ok(None), _) => Ok(None), // the constraint has ended: the rest is free
+                (Ok(Some(words)), Some(c)) if crate::backend::mask_allows(words, d) => {
+                    catch_unwind(AssertUnwindSafe(|| {
+                        c.commit(d).map_err(|e| format!("{e:#}"))?;
+                        c.mask().map_err(|e| format!("{e:#}"))
+                    }))
+                    .unwrap_or_else(|p| Err(format!("internal error in the constraint: {}", panic_message(&*p))))
+                }
+                _ => Err("not reached: the constraint forbids the draft before this row".into()),
+            };
+            prev = next.clone();
+            slot.fill(next);
+        }
+        stats.mask_us.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        stats.masks.fetch_add(1 + self.drafts.len() as u64, Ordering::Relaxed);
     }
 }
 
@@ -737,11 +844,19 @@ impl<'a> Scheduler<'a> {
         let decodes: Vec<usize> =
             (0..self.active.len()).filter(|&i| !self.active[i].suspect && self.active[i].is_decode()).collect();
         if !decodes.is_empty() {
+            // A decode reads its token and its drafts (fewer drafts when the budget runs short).
             let start = self.rotate % decodes.len();
-            for &i in decodes[start..].iter().chain(&decodes[..start]).take(left) {
-                plan.push((i, self.active[i].fed + 1));
+            for &i in decodes[start..].iter().chain(&decodes[..start]) {
+                if left == 0 {
+                    break;
+                }
+                let a = &mut self.active[i];
+                if let Some(spec) = &mut a.spec {
+                    spec.drafts.truncate(left - 1);
+                }
+                left -= 1 + a.spec.as_ref().map_or(0, |s| s.drafts.len());
+                plan.push((i, a.fed + 1));
             }
-            left -= plan.len();
             self.rotate = self.rotate.wrapping_add(plan.len());
         }
         if left == 0 {
@@ -890,9 +1005,15 @@ impl<'a> Scheduler<'a> {
     fn activate(&self, mut job: Job, seq: SeqId, cached: usize, admitted: Admitted) -> Active<'a> {
         let masked = job.req.constraint.take().map(|c| {
             let slot = Arc::new(MaskSlot::pending_within(self.cfg.mask_wait_limit));
-            let m = Masked { constraint: Arc::new(Mutex::new(c.0)), slot, stalled_ns: 0 };
+            let m = Masked {
+                constraint: Arc::new(Mutex::new(c.0)),
+                slot,
+                draft_slots: Vec::new(),
+                stalled_ns: 0,
+                ended: Arc::new(AtomicBool::new(false)),
+            };
             // The first mask, computed while the prompt is read.
-            send_mask_job(&self.masks, &m, None);
+            send_mask_job(&self.masks, &m, Vec::new(), Vec::new());
             m
         });
         let prompt = &job.req.prompt;
@@ -931,6 +1052,7 @@ impl<'a> Scheduler<'a> {
             suspect: false,
             masked,
             early,
+            spec: (self.cfg.speculative > 0).then(|| Spec::new(self.cfg.speculative)),
             job,
         }
     }
@@ -939,28 +1061,71 @@ impl<'a> Scheduler<'a> {
     fn run_step(&mut self, plan: Vec<(usize, usize)>) {
         let limit = self.tok.vocab_size();
         let step_took;
+        // Speculative decoding: a drawing item's ids (its token, or prompt chunk, then its drafts), the history of
+        // its draws (the reply, then the drafts), and the drafts to ask for.
+        let ctx = self.cfg.ctx_size;
+        let verify: Vec<Option<VerifyItem>> = plan
+            .iter()
+            .map(|&(i, end)| {
+                let a = &mut self.active[i];
+                if end < a.tokens.len() {
+                    return None;
+                }
+                let generated = a.generated.len();
+                // Every token a verify may draw fits max_tokens, the context and the reserved room.
+                let mut room = a.job.req.max_tokens.saturating_sub(generated + 1).min(ctx.saturating_sub(end));
+                if !a.is_decode() {
+                    room = 0; // the prompt's last chunk draws one row
+                }
+                if let Some(m) = &a.masked {
+                    room = room.min(m.draft_slots.len());
+                }
+                let spec = a.spec.as_mut()?;
+                let ask = spec.ask(generated);
+                spec.drafts.truncate(room);
+                let ids = [&a.tokens[a.fed..end], &spec.drafts[..]].concat();
+                let history = [&a.generated[..], &spec.drafts[..]].concat();
+                Some((ids, history, ask))
+            })
+            .collect();
         let outcome = {
             let work: Vec<Work> = plan
                 .iter()
-                .map(|&(i, end)| {
+                .zip(&verify)
+                .map(|(&(i, end), verify)| {
                     let a = &self.active[i];
-                    let out = if end < a.tokens.len() {
-                        Want::Nothing
-                    } else {
+                    let n = a.generated.len();
+                    let sample = |j: usize, history| {
                         let params = match &a.early {
-                            Some(early) if a.generated.len() < a.job.req.min_tokens => early,
+                            Some(early) if n + j < a.job.req.min_tokens => early,
                             _ => &a.job.req.sampling,
                         };
-                        Want::Sample(Sample {
+                        let mask = a.masked.as_ref().and_then(|m| match j {
+                            0 => Some(&*m.slot),
+                            _ => m.draft_slots.get(j - 1).map(|s| &**s),
+                        });
+                        Sample {
                             params,
-                            seed: draw_seed(a.seed, a.generated.len()),
-                            history: &a.generated,
+                            seed: draw_seed(a.seed, n + j),
+                            history,
                             top_logprobs: a.job.req.logprobs,
                             limit,
-                            mask: a.masked.as_ref().map(|m| &*m.slot),
-                        })
+                            mask,
+                        }
                     };
-                    Work { seq: a.seq, ids: &a.tokens[a.fed..end], out }
+                    match verify {
+                        Some((ids, history, ask)) => {
+                            let rows = ids.len() - (end - a.fed) + 1;
+                            let draws = (0..rows).map(|j| sample(j, &history[..n + j])).collect();
+                            Work { seq: a.seq, ids, out: Want::Verify(Verify { draws, drafts: *ask }) }
+                        }
+                        None if end < a.tokens.len() => {
+                            Work { seq: a.seq, ids: &a.tokens[a.fed..end], out: Want::Nothing }
+                        }
+                        None => {
+                            Work { seq: a.seq, ids: &a.tokens[a.fed..end], out: Want::Sample(sample(0, &a.generated)) }
+                        }
+                    }
                 })
                 .collect();
             let backend = self.backend;
@@ -984,8 +1149,9 @@ impl<'a> Scheduler<'a> {
                     .filter_map(|&(i, _)| self.active.get(i).and_then(|a| a.masked.as_ref()))
                     .map(|m| m.slot.waited_ns())
                     .sum();
-                for (&(i, end), r) in plan.iter().zip(results) {
-                    fates.push((i, self.apply(i, end, r)));
+                for ((&(i, end), r), v) in plan.iter().zip(results).zip(&verify) {
+                    let checked = v.as_ref().map_or(0, |(ids, _, _)| ids.len() - (end - self.active[i].fed));
+                    fates.push((i, self.apply(i, end, checked, r)));
                 }
             }
             Ok(results) => {
@@ -1029,8 +1195,10 @@ impl<'a> Scheduler<'a> {
             match fate {
                 Fate::Continue => {}
                 Fate::Done => {
+                    // (A reply that ended inside a verify's accepted drafts holds more than its tokens: the
+                    // cache's length check then frees it.)
                     let a = self.active.remove(i);
-                    let ids = a.tokens[..a.fed].to_vec();
+                    let ids = a.tokens[..a.fed.min(a.tokens.len())].to_vec();
                     self.cache.insert(self.backend, ids, a.seq);
                 }
                 Fate::Drop => {
@@ -1048,6 +1216,9 @@ impl<'a> Scheduler<'a> {
         match self.backend.alloc(a.reserve) {
             Ok(seq) => {
                 (a.seq, a.fed, a.suspect) = (seq, 0, true);
+                if let Some(spec) = &mut a.spec {
+                    spec.drafts.clear();
+                }
                 Fate::Continue
             }
             Err(e) => {
@@ -1057,8 +1228,8 @@ impl<'a> Scheduler<'a> {
         }
     }
 
-    /// Apply one item's result: `active[i]` read its tokens up to `end`.
-    fn apply(&mut self, i: usize, end: usize, r: Result<Output>) -> Fate {
+    /// Apply one item's result: `active[i]` read its tokens up to `end`, and `checked` drafts after them.
+    fn apply(&mut self, i: usize, end: usize, checked: usize, r: Result<Output>) -> Fate {
         let a = &mut self.active[i];
         let out = match r {
             Ok(o) => o,
@@ -1073,51 +1244,85 @@ impl<'a> Scheduler<'a> {
                 self.cache.insert(self.backend, a.tokens[..a.fed].to_vec(), snap);
             }
         }
-        match out {
-            Output::Nothing if end < a.tokens.len() => Fate::Continue,
-            Output::Token(s) if end == a.tokens.len() => {
-                a.suspect = false;
-                let fate = emit_token(a, s.token, s.logprob, self.stats, self.cfg);
-                if let Some(m) = &mut a.masked {
-                    let waited = m.slot.waited_ns();
-                    self.stats.mask_wait_us.fetch_add(waited / 1000, Ordering::Relaxed);
-                    if waited > 0 {
-                        m.stalled_ns += self.step_mask_wait_ns.max(waited);
-                    }
-                    if m.stalled_ns > self.cfg.mask_stall_budget.as_nanos() as u64 && matches!(fate, Fate::Continue) {
-                        // Its masks have held the steps, and every stream in them, for too long: it ends here.
-                        let msg = format!(
-                            "the output constraint failed: its token masks held the server's steps for {:.1} s in \
-                             all (over the {:.1} s a request may): the grammar or schema is too expensive to enforce",
-                            m.stalled_ns as f64 / 1e9,
-                            self.cfg.mask_stall_budget.as_secs_f64()
-                        );
-                        let _ = a.job.events.send(Event::Error(msg));
-                        return Fate::Drop;
-                    }
-                    if matches!(m.slot.peek(), Some(Ok(None))) {
-                        a.masked = None; // the constraint has ended: the rest is free
-                    } else if matches!(fate, Fate::Continue) {
-                        // The next mask, computed while the next step's forward pass runs.
-                        m.slot = Arc::new(MaskSlot::pending_within(self.cfg.mask_wait_limit));
-                        send_mask_job(&self.masks, m, Some(s.token));
-                    }
-                }
-                fate
+        let (drawn, drafts) = match out {
+            Output::Nothing if end < a.tokens.len() => return Fate::Continue,
+            Output::Token(s) if end == a.tokens.len() => (vec![s], None),
+            Output::Drafted { tokens, drafts }
+                if end == a.tokens.len() && (1..=checked + 1).contains(&tokens.len()) =>
+            {
+                (tokens, Some(drafts))
             }
             other => {
                 let _ = a.job.events.send(Event::Error(format!("internal error: the backend returned {other:?}")));
-                Fate::Drop
+                return Fate::Drop;
+            }
+        };
+        a.suspect = false;
+        // The sequence holds the accepted drafts too.
+        a.fed = end + drawn.len() - 1;
+        let mut fate = Fate::Continue;
+        for s in &drawn {
+            fate = emit_token(a, s.token, s.logprob.clone(), self.stats, self.cfg);
+            if !matches!(fate, Fate::Continue) {
+                break;
             }
         }
+        if let (Some(spec), Some(drafts)) = (&mut a.spec, drafts) {
+            if checked > 0 {
+                let accepted = drawn.len() - 1;
+                self.stats.spec_verifies.fetch_add(1, Ordering::Relaxed);
+                self.stats.spec_drafts.fetch_add(checked as u64, Ordering::Relaxed);
+                self.stats.spec_accepted.fetch_add(accepted as u64, Ordering::Relaxed);
+                spec.record(checked, accepted, a.generated.len());
+            }
+            spec.drafts = if spec.paused_until.is_some() { Vec::new() } else { drafts };
+        }
+        let Some(m) = &mut a.masked else { return fate };
+        let slots: Vec<&Arc<MaskSlot>> = std::iter::once(&m.slot).chain(&m.draft_slots).collect();
+        let waited: u64 = slots.iter().map(|s| s.waited_ns()).sum();
+        self.stats.mask_wait_us.fetch_add(waited / 1000, Ordering::Relaxed);
+        if waited > 0 {
+            m.stalled_ns += self.step_mask_wait_ns.max(waited);
+        }
+        if m.stalled_ns > self.cfg.mask_stall_budget.as_nanos() as u64 && matches!(fate, Fate::Continue) {
+            // Its masks have held the steps, and every stream in them, for too long: it ends here.
+            let msg = format!(
+                "the output constraint failed: its token masks held the server's steps for {:.1} s in all (over the \
+                 {:.1} s a request may): the grammar or schema is too expensive to enforce",
+                m.stalled_ns as f64 / 1e9,
+                self.cfg.mask_stall_budget.as_secs_f64()
+            );
+            let _ = a.job.events.send(Event::Error(msg));
+            return Fate::Drop;
+        }
+        // The mask the last token was drawn under.
+        if matches!(slots.get(drawn.len() - 1).and_then(|s| s.peek()), Some(Ok(None))) {
+            a.masked = None; // the constraint has ended: the rest is free
+        } else if matches!(fate, Fate::Continue) {
+            // The next masks, computed while the next step's forward pass runs.
+            let drafts = a.spec.as_ref().map_or(Vec::new(), |s| s.drafts.clone());
+            m.slot = Arc::new(MaskSlot::pending_within(self.cfg.mask_wait_limit));
+            m.draft_slots =
+                drafts.iter().map(|_| Arc::new(MaskSlot::pending_within(self.cfg.mask_wait_limit))).collect();
+            send_mask_job(&self.masks, m, drawn.iter().map(|s| s.token).collect(), drafts);
+        }
+        fate
     }
 }
 
-/// Queue the computation of `m`'s next mask (after committing `commit`); without workers the slot gets an error.
-fn send_mask_job(workers: &Option<Sender<MaskJob>>, m: &Masked, commit: Option<u32>) {
-    let job = MaskJob { constraint: m.constraint.clone(), commit, slot: m.slot.clone() };
+/// Queue the computation of `m`'s next masks (after committing `commit`): its slot's, and its draft slots' after
+/// each of `drafts`; without workers the slots get an error.
+fn send_mask_job(workers: &Option<Sender<MaskJob>>, m: &Masked, commit: Vec<u32>, drafts: Vec<u32>) {
+    let job = MaskJob {
+        constraint: m.constraint.clone(),
+        ended: m.ended.clone(),
+        commit,
+        slot: m.slot.clone(),
+        drafts,
+        draft_slots: m.draft_slots.clone(),
+    };
     match workers {
-        // A failed send drops the job, which fills the slot with an error.
+        // A failed send drops the job, which fills the slots with an error.
         Some(tx) => drop(tx.send(job)),
         None => {
             m.slot.fill(Err("no constraint worker thread could be started".into()));
@@ -1315,6 +1520,49 @@ mod tests {
         let s = seq_of(&b, &big);
         c.insert(&b, big, s);
         assert!(c.bytes <= c.capacity && b.len(s).is_none());
+    }
+
+    /// A mask job of a request that has ended is skipped (its slots get an error), one of a live request computed;
+    /// draft slots get the masks after each draft, and rows after a forbidden draft an error.
+    #[test]
+    fn mask_jobs_skip_ended_requests_and_fill_draft_rows() {
+        #[derive(Clone)]
+        struct Even(Arc<AtomicUsize>);
+        impl TokenConstraint for Even {
+            fn mask(&mut self) -> Result<Option<Vec<u32>>> {
+                self.0.fetch_add(1, Ordering::SeqCst);
+                Ok(Some(vec![0x5555_5555; 2])) // the even ids below 64
+            }
+            fn commit(&mut self, _: u32) -> Result<()> {
+                Ok(())
+            }
+            fn box_clone(&self) -> Box<dyn TokenConstraint> {
+                Box::new(self.clone())
+            }
+        }
+        let calls = Arc::new(AtomicUsize::new(0));
+        let job = |ended: bool, drafts: Vec<u32>| MaskJob {
+            constraint: Arc::new(Mutex::new(Box::new(Even(calls.clone())) as Box<dyn TokenConstraint>)),
+            ended: Arc::new(AtomicBool::new(ended)),
+            commit: vec![2],
+            slot: Arc::new(MaskSlot::pending()),
+            draft_slots: drafts.iter().map(|_| Arc::new(MaskSlot::pending())).collect(),
+            drafts,
+        };
+        let stats = Stats::default();
+        let ended = job(true, vec![4]);
+        ended.run(&stats);
+        let slots = (ended.slot.clone(), ended.draft_slots.clone());
+        drop(ended);
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "an ended request's mask was computed");
+        assert!(slots.0.wait().is_err() && slots.1[0].wait().is_err());
+        let live = job(false, vec![4, 7, 8]);
+        live.run(&stats);
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "the row's mask and the one after the allowed draft 4");
+        assert_eq!(live.slot.wait().unwrap(), Some(&[0x5555_5555u32, 0x5555_5555][..]));
+        assert!(live.draft_slots[0].wait().unwrap().is_some(), "the row after the allowed draft 4");
+        assert!(live.draft_slots[1].wait().is_err(), "7 is forbidden: the row after it is never reached");
+        assert!(live.draft_slots[2].wait().is_err(), "nor the one after that");
     }
 
     #[test]

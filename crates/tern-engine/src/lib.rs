@@ -9,7 +9,7 @@ pub mod model;
 
 pub use backend::{
     apply_mask, mask_allows, read_logits, sample_host, AllocError, Backend, CpuBackend, MaskResult, MaskSlot, Output,
-    Sample, Sampled, ScriptedBackend, SeqId, StateMemory, StepHook, TokenLogprob, Want, Work,
+    Sample, Sampled, ScriptedBackend, SeqId, StateMemory, StepHook, TokenLogprob, Verify, Want, Work,
 };
 pub use engine::{
     Constraint, Engine, EngineConfig, Event, Events, FinishReason, Request, Stats, SubmitError, TokenConstraint, Usage,

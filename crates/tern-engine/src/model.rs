@@ -24,8 +24,14 @@ impl Model {
     /// Load a model directory onto the CPU backend, in 4 bits as the product runs: a bf16 checkpoint is
     /// quantised on load, an mlx one is used as stored.
     pub fn load_cpu(dir: &Path) -> Result<Model> {
+        Model::load_cpu_with(dir, false)
+    }
+
+    /// [`Model::load_cpu`], with the MTP block's state kept beside every sequence when `speculative` (and the
+    /// checkpoint has one: [`Backend::max_drafts`] says).
+    pub fn load_cpu_with(dir: &Path, speculative: bool) -> Result<Model> {
         let weights = tern_model::Weights::load_with(dir, tern_model::LoadOptions { quantize: true })?;
-        Model::with_backend(dir, Arc::new(CpuBackend::new(weights)))
+        Model::with_backend(dir, Arc::new(CpuBackend::new(weights).speculative(speculative)))
     }
 
     pub fn with_backend(dir: &Path, backend: Arc<dyn Backend>) -> Result<Model> {

@@ -282,6 +282,7 @@ fn logging(asked: Arc<Mutex<Vec<&'static str>>>) -> Arc<dyn Backend> {
                 Want::Nothing => "nothing",
                 Want::Last | Want::All => "logits",
                 Want::Sample(_) => "sample",
+                Want::Verify(_) => "verify",
             });
             asked.lock().unwrap().extend(kinds);
             b.step(work)

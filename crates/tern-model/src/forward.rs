@@ -36,6 +36,12 @@ pub struct State {
     pub layers: Vec<LayerState>,
     /// Test hook (off by default): hold expert choices equal to another backend's, or record router logits.
     pub routing: Routing,
+    /// Set before a call (speculative decoding's verify rows): the call keeps every Gated DeltaNet layer's state
+    /// after each of its rows, so that [`State::rewind`] can go back to any of them when drafts are rejected.
+    /// Taken (reset to false) by the call.
+    pub keep_rows: bool,
+    /// The position before the last call, when that call kept its rows (see `keep_rows`).
+    kept_from: Option<usize>,
 }
 
 /// Test hook on the MoE routing of the next `forward` call. Comparisons between backends on random models
@@ -63,6 +69,8 @@ pub enum LayerState {
         conv: Vec<f32>,
         /// `[value_heads, key_head_dim, value_head_dim]`, f32 always.
         s: Vec<f32>,
+        /// `(conv, s)` after each row of the last call, when it kept them ([`State::keep_rows`]); else empty.
+        kept: Vec<(Vec<f32>, Vec<f32>)>,
     },
 }
 
@@ -76,10 +84,11 @@ impl State {
                 crate::config::LayerKind::Linear => LayerState::DeltaNet {
                     conv: vec![0.0; (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim()],
                     s: vec![0.0; c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim],
+                    kept: Vec::new(),
                 },
             })
             .collect();
-        State { pos: 0, rope_delta: 0, layers, routing: Routing::default() }
+        State { pos: 0, rope_delta: 0, layers, routing: Routing::default(), keep_rows: false, kept_from: None }
     }
 
     /// The state of the MTP block ([`Weights::mtp_forward_batch`]): its one attention layer's KV cache. `pos`
@@ -87,7 +96,7 @@ impl State {
     /// hidden state of position `i` with the token at `i + 1` is at position `i`).
     pub fn new_mtp() -> State {
         let layers = vec![LayerState::Attention { k: Vec::new(), v: Vec::new() }];
-        State { pos: 0, rope_delta: 0, layers, routing: Routing::default() }
+        State { pos: 0, rope_delta: 0, layers, routing: Routing::default(), keep_rows: false, kept_from: None }
     }
 
     /// Bytes of an MTP state ([`State::new_mtp`]) that has read `tokens` rows: f32 keys and values of one
@@ -96,23 +105,45 @@ impl State {
         4 * tokens * 2 * c.num_key_value_heads * c.head_dim
     }
 
-    /// Forget everything after the first `pos` tokens (rejected drafts). Only a state of attention layers (the
-    /// MTP block's) can: a Gated DeltaNet state holds no history to go back to.
+    /// Forget everything after the first `pos` tokens (rejected drafts). Attention layers drop the keys and values
+    /// past `pos`; a Gated DeltaNet state holds no history, so it goes back only to a row the last call kept
+    /// ([`State::keep_rows`]): `pos` after that call's start. The kept rows are dropped either way.
     pub fn rewind(&mut self, pos: usize) -> Result<()> {
         if pos > self.pos {
             bail!("rewind to {pos}: the state holds only {} tokens", self.pos);
         }
-        if self.layers.iter().any(|l| matches!(l, LayerState::DeltaNet { .. })) {
-            bail!("rewind: a Gated DeltaNet state cannot be rewound");
+        let recurrent = self.layers.iter().any(|l| matches!(l, LayerState::DeltaNet { .. }));
+        let row = match self.kept_from {
+            _ if !recurrent || pos == self.pos => None,
+            Some(from) if pos > from => Some(pos - from - 1),
+            _ => bail!(
+                "rewind to {pos} of {}: a Gated DeltaNet state goes back only to a row its last call kept",
+                self.pos
+            ),
+        };
+        if let Some(r) = row {
+            if self.layers.iter().any(|l| matches!(l, LayerState::DeltaNet { kept, .. } if kept.len() <= r)) {
+                bail!("rewind to {pos}: row {r} of the last call was not kept");
+            }
         }
         let n = self.pos;
         for l in &mut self.layers {
-            if let LayerState::Attention { k, v } = l {
-                let width = k.len().checked_div(n).unwrap_or(0);
-                k.truncate(pos * width);
-                v.truncate(pos * width);
+            match l {
+                LayerState::Attention { k, v } => {
+                    let width = k.len().checked_div(n).unwrap_or(0);
+                    k.truncate(pos * width);
+                    v.truncate(pos * width);
+                }
+                LayerState::DeltaNet { conv, s, kept } => {
+                    if let Some((c, st)) = row.and_then(|r| kept.get(r)) {
+                        conv.copy_from_slice(c);
+                        s.copy_from_slice(st);
+                    }
+                    kept.clear();
+                }
             }
         }
+        self.kept_from = None;
         self.pos = pos;
         Ok(())
     }
@@ -208,6 +239,8 @@ struct Seg {
     n: usize,
     /// Tokens its state held before this call.
     pos: usize,
+    /// Keep the Gated DeltaNet state after each row ([`State::keep_rows`]).
+    keep: bool,
 }
 
 impl Seg {
@@ -375,7 +408,7 @@ impl Weights {
         let mut rows = 0;
         for p in parts.iter() {
             assert!(!p.ids.is_empty(), "forward needs at least one token per sequence");
-            segs.push(Seg { row: rows, n: p.ids.len(), pos: p.state.pos });
+            segs.push(Seg { row: rows, n: p.ids.len(), pos: p.state.pos, keep: p.state.keep_rows });
             rows += p.ids.len();
         }
         let mut x = vec![0.0; rows * h];
@@ -405,6 +438,8 @@ impl Weights {
             layer_forward(c, layer, i, &mut states, &segs, &pos3, &mut x, &mut u, &forced_i);
         }
         for (j, (p, s)) in parts.iter_mut().zip(&segs).enumerate() {
+            p.state.kept_from = s.keep.then_some(s.pos);
+            p.state.keep_rows = false;
             p.state.pos += s.n;
             if let Some(m) = mm.get(j).and_then(Option::as_ref) {
                 p.state.rope_delta = m.next - p.state.pos as i64;
@@ -499,7 +534,7 @@ impl Weights {
             if !matches!(p.state.layers[..], [LayerState::Attention { .. }]) {
                 bail!("MTP forward: the state is not an MTP state (State::new_mtp)");
             }
-            segs.push(Seg { row: rows, n, pos: p.state.pos });
+            segs.push(Seg { row: rows, n, pos: p.state.pos, keep: false });
             rows += n;
         }
         // fc over [norm_e(embed(id)) ; norm_h(hidden)], per row.
@@ -573,9 +608,10 @@ fn layer_forward(
             let a = project(&g.in_proj_a, u, rows);
             let w = [&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a].map(|l| l.rows());
             let o = per_sequence(&mut ls, segs, |ls, s| {
-                let LayerState::DeltaNet { conv, s: st } = ls else { unreachable!("state follows layer_types") };
+                let LayerState::DeltaNet { conv, s: st, kept } = ls else { unreachable!("state follows layer_types") };
                 let (qkv, z, b, a) = (&qkv[s.rows(w[0])], &z[s.rows(w[1])], &b[s.rows(w[2])], &a[s.rows(w[3])]);
-                delta_net_core(c, g, conv, st, qkv, z, b, a, s.n)
+                kept.clear();
+                delta_net_rows(c, g, conv, st, qkv, z, b, a, s.n, s.keep.then_some(kept))
             });
             project(&g.out_proj, &o, rows)
         }
@@ -770,6 +806,23 @@ pub fn delta_net_core(
     a: &[f32],
     n: usize,
 ) -> Vec<f32> {
+    delta_net_rows(c, g, conv, s, mixed, z, b, a, n, None)
+}
+
+/// [`delta_net_core`] that also pushes `(conv, s)` after each row onto `kept` when given (verify rows).
+#[allow(clippy::too_many_arguments)]
+fn delta_net_rows(
+    c: &Config,
+    g: &GatedDeltaNet,
+    conv: &mut [f32],
+    s: &mut [f32],
+    mixed: &[f32],
+    z: &[f32],
+    b: &[f32],
+    a: &[f32],
+    n: usize,
+    kept: Option<&mut Vec<(Vec<f32>, Vec<f32>)>>,
+) -> Vec<f32> {
     let (cd, kk) = (c.linear_conv_dim(), c.linear_conv_kernel_dim);
     let (hk, hv, dk, dv) =
         (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim);
@@ -786,6 +839,7 @@ pub fn delta_net_core(
         }
     }
     conv.copy_from_slice(&inputs[n * cd..]);
+    let keep = kept.is_some();
 
     let kd = hk * dk;
     let qscale = 1.0 / (dk as f32).sqrt();
@@ -796,12 +850,14 @@ pub fn delta_net_core(
     let mut o = vec![0.0; n * hv * dv];
     // Each value head owns its state slice; heads run in parallel, tokens in order.
     let ratio = hv / hk;
-    let outs: Vec<Vec<f32>> = s
+    // Per head: its output rows and, when keeping rows, its state after each row.
+    let outs: Vec<(Vec<f32>, Vec<f32>)> = s
         .par_chunks_mut(dk * dv)
         .enumerate()
         .map(|(h, st)| {
             let kh = h / ratio; // value head h reads key head h / (Hv/Hk) (repeat_interleave)
             let mut out = vec![0.0; n * dv];
+            let mut rows = Vec::with_capacity(if keep { n * dk * dv } else { 0 });
             let (mut q, mut k) = (vec![0.0; dk], vec![0.0; dk]);
             let mut m = vec![0.0; dv];
             for t in 0..n {
@@ -828,11 +884,24 @@ pub fn delta_net_core(
                     srow.iter_mut().zip(&delta).for_each(|(sv, d)| *sv += k[i] * d);
                     ot.iter_mut().zip(srow.iter()).for_each(|(ov, sv)| *ov += sv * q[i]);
                 }
+                if keep {
+                    rows.extend_from_slice(st);
+                }
             }
-            out
+            (out, rows)
         })
         .collect();
-    for (h, out) in outs.iter().enumerate() {
+    if let Some(kept) = kept {
+        let hs = dk * dv;
+        for t in 0..n {
+            let mut st = Vec::with_capacity(hv * hs);
+            for (_, rows) in &outs {
+                st.extend_from_slice(&rows[t * hs..(t + 1) * hs]);
+            }
+            kept.push((inputs[(t + 1) * cd..(t + kk) * cd].to_vec(), st));
+        }
+    }
+    for (h, (out, _)) in outs.iter().enumerate() {
         for t in 0..n {
             o[(t * hv + h) * dv..(t * hv + h + 1) * dv].copy_from_slice(&out[t * dv..(t + 1) * dv]);
         }

@@ -149,7 +149,8 @@ fn mtp_batch_equals_alone_and_bad_input_is_an_error() {
     assert!(err(w.mtp_forward(&hid[..h], &[], &mut st, Logits::Last)).contains("no ids"));
     let mut main = State::new(&w.config);
     assert!(err(w.mtp_forward(&hid[..h], &e.ids[..1], &mut main, Logits::Last)).contains("not an MTP state"));
-    assert!(main.rewind(0).is_err(), "a Gated DeltaNet state cannot rewind");
+    w.forward(&e.ids[..3], &mut main, Logits::Skip);
+    assert!(main.rewind(1).is_err() && main.pos == 3, "a Gated DeltaNet state goes back only to a kept row");
     assert!(st.rewind(1).is_err() && st.pos == 0);
     let c = &w.config;
     assert_eq!(State::mtp_bytes_for(c, 12), 4 * 12 * 2 * c.num_key_value_heads * c.head_dim);
@@ -276,4 +277,40 @@ fn quantize_keeps_the_mtp_block() {
     // Quantise-on-load of the official layout (tiny-mtp-a) keeps it as well.
     let w = Weights::load_with(&fixtures_dir().join("tiny-mtp-a"), tern_model::LoadOptions { quantize: true }).unwrap();
     assert!(w.mtp.is_some());
+}
+
+/// Verify rows: a call with `keep_rows` can go back to any of its rows, and the state is then bit for bit the
+/// state of reading only the ids up to that row (the next logits are identical); other positions are refused.
+#[test]
+fn verify_rows_rewind_to_the_state_of_the_accepted_ids() {
+    let w = Weights::load(&fixtures_dir().join("tiny-mtp-a")).unwrap();
+    let e = expected(&fixtures_dir().join("tiny-mtp-a"));
+    let (prompt, rows) = (&e.ids[..6], &e.ids[6..11]);
+    let mut base = State::new(&w.config);
+    w.forward(prompt, &mut base, Logits::Skip);
+    for keep in 1..=rows.len() {
+        let mut spec = base.clone();
+        spec.keep_rows = true;
+        let all = w.forward(rows, &mut spec, Logits::All);
+        spec.rewind(6 + keep).unwrap();
+        let mut plain = base.clone();
+        let want = w.forward(&rows[..keep], &mut plain, Logits::All);
+        let v = w.config.vocab_size;
+        assert!(bits_equal(&all[..keep * v], &want), "keep {keep}: verify rows differ from reading them alone");
+        // The next token from both states: identical bits.
+        let next = [e.ids[11]];
+        let (a, b) = (w.forward(&next, &mut spec, Logits::Last), w.forward(&next, &mut plain, Logits::Last));
+        assert!(bits_equal(&a, &b), "keep {keep}: the state after rewinding differs");
+        assert_eq!(spec.pos, plain.pos);
+    }
+    // Only positions inside the last call, and only once: the kept rows go with the rewind.
+    let mut st = base.clone();
+    st.keep_rows = true;
+    w.forward(rows, &mut st, Logits::Skip);
+    assert!(st.rewind(6).is_err(), "before the call's first row");
+    st.rewind(8).unwrap();
+    assert!(st.rewind(7).is_err(), "the kept rows were dropped by the first rewind");
+    // A call without keep_rows keeps nothing.
+    w.forward(rows, &mut st, Logits::Skip);
+    assert!(st.rewind(9).is_err());
 }

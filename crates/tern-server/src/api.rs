@@ -407,7 +407,7 @@ pub(crate) fn chat_job(r: &Ready, b: &Body, extras: &ChatExtras) -> Result<Job, 
     let needs = spec.is_some() || (chat.thinking && extras.reasoning_budget.is_some());
     let constraint = if needs { Some(constraint(r, spec.as_ref(), &reply)?) } else { None };
     opts.format = Format::Text;
-    let prompt = encode_chat(r, &rendered)?;
+    let prompt = encode_chat(r, &rendered, Fit::Reply)?;
     let stop_ids = reply_stop_ids(r, &opts, stop_ids);
     job(r, opts, vec![(prompt, String::new())], "messages", Some(chat), constraint, stop_ids)
 }
@@ -780,30 +780,62 @@ fn stop(b: &Body) -> Result<Vec<String>, ApiError> {
 }
 
 /// Raw text (/v1/completions' prompt, /tokenize's): control tokens written in it are read as such, as vLLM and
-/// OpenAI's legacy completions do (a raw prompt is the whole prompt, its turn markers included).
-pub(crate) fn encode(r: &Ready, text: &str) -> Result<Vec<u32>, ApiError> {
-    r.tokenizer.encode(text, false).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+/// OpenAI's legacy completions do (a raw prompt is the whole prompt, its turn markers included). `None` past `limit`
+/// ids (see [`tern_text::Tokenizer::encode_within`]).
+fn encode(r: &Ready, text: &str, limit: usize) -> Result<Option<Vec<u32>>, ApiError> {
+    r.tokenizer.encode_within(text, false, limit).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
 
 /// A rendered chat: control tokens only where the template put them (the request's text is text), or, with
-/// `--allow-special-in-content`, wherever the text spells them.
-fn encode_rendered(r: &Ready, rendered: &Rendered) -> Result<Vec<u32>, ApiError> {
+/// `--allow-special-in-content`, wherever the text spells them. `None` past `limit` ids.
+fn encode_rendered(r: &Ready, rendered: &Rendered, limit: usize) -> Result<Option<Vec<u32>>, ApiError> {
     if r.special_in_content {
-        return encode(r, &rendered.text());
+        return encode(r, &rendered.text(), limit);
     }
-    rendered.encode(&r.tokenizer).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
+    rendered.encode_within(&r.tokenizer, limit).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
 
-/// [`encode_rendered`] after [`check_length`].
-fn encode_chat(r: &Ready, rendered: &Rendered) -> Result<Vec<u32>, ApiError> {
+/// [`encode_rendered`] after [`check_length`]; see [`Fit`].
+fn encode_chat(r: &Ready, rendered: &Rendered, fit: Fit) -> Result<Vec<u32>, ApiError> {
     check_length(r, &rendered.text(), "messages")?;
-    encode_rendered(r, rendered)
+    encode_rendered(r, rendered, fit.limit(r))?.ok_or_else(|| no_room(r, "messages"))
 }
 
-/// Tokenise a prompt after [`check_length`].
-fn encode_prompt(r: &Ready, text: &str, param: &str) -> Result<Vec<u32>, ApiError> {
+/// Tokenise a prompt after [`check_length`]; see [`Fit`].
+fn encode_prompt(r: &Ready, text: &str, param: &str, fit: Fit) -> Result<Vec<u32>, ApiError> {
     check_length(r, text, param)?;
-    encode(r, text)
+    encode(r, text, fit.limit(r))?.ok_or_else(|| no_room(r, param))
+}
+
+/// Whether a prompt must leave room for a reply in the context: a generation's prompt is refused as soon as its
+/// tokens fill the context, before the rest is tokenised; /tokenize and count_tokens count every token.
+#[derive(Clone, Copy)]
+enum Fit {
+    Reply,
+    Count,
+}
+
+impl Fit {
+    /// The most ids worth tokenising.
+    fn limit(self, r: &Ready) -> usize {
+        match self {
+            Fit::Reply => r.engine.config.ctx_size.saturating_sub(1),
+            Fit::Count => usize::MAX,
+        }
+    }
+}
+
+/// The error of a prompt whose tokens fill the context (found while tokenising it).
+fn no_room(r: &Ready, param: &str) -> ApiError {
+    let ctx = r.engine.config.ctx_size;
+    too_long(
+        param,
+        format!(
+            "this model's maximum context length is {ctx} tokens, but the prompt has more than {} tokens, which \
+             leaves no room for the completion",
+            ctx.saturating_sub(1)
+        ),
+    )
 }
 
 /// Refuse at once (before the costly encoding) a text too long to fit the context whatever its tokens:
@@ -840,7 +872,7 @@ fn completion_prompts(r: &Ready, b: &Body) -> Result<Vec<Prompt>, ApiError> {
     };
     let one = |p: &Value| -> Result<Prompt, ApiError> {
         match p {
-            Value::String(s) => Ok((encode_prompt(r, s, "prompt")?, Some(s.clone()))),
+            Value::String(s) => Ok((encode_prompt(r, s, "prompt", Fit::Reply)?, Some(s.clone()))),
             Value::Array(a) => Ok((ids(a)?, None)),
             _ => Err(bad(shape)),
         }
@@ -1026,10 +1058,10 @@ fn tools(b: &Body) -> Result<Vec<Value>, ApiError> {
 pub(crate) fn tokenize(r: &Ready, b: &Body) -> Result<Vec<u32>, ApiError> {
     if b.get("messages").is_some() {
         let (rendered, _, _) = render_chat(r, b)?;
-        return encode_chat(r, &rendered);
+        return encode_chat(r, &rendered, Fit::Count);
     }
     let text = b.str("prompt")?.ok_or_else(|| ApiError::invalid("prompt", "'prompt' or 'messages' is required"))?;
-    encode_prompt(r, text, "prompt")
+    encode_prompt(r, text, "prompt", Fit::Count)
 }
 
 pub(crate) fn detokenize(r: &Ready, b: &Body) -> Result<String, ApiError> {

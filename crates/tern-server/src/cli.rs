@@ -51,6 +51,12 @@ pub struct Args {
     /// backend's choice (512 on the CPU, the prefill chunk of 4,096 on CUDA).
     #[arg(long, default_value_t = 0)]
     pub step_tokens: usize,
+    /// Speculative decoding: tokens the model's multi-token-prediction block drafts a step for every stream, all
+    /// checked by one forward pass (greedy replies are unchanged; sampled ones keep the model's distribution). 0
+    /// (the default): off. Up to 4; needs a checkpoint with `mtp.*` weights and a backend with a verify pass (the
+    /// CPU backend today); otherwise the startup log says why it is off.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=4))]
+    pub speculative: u64,
     /// MiB of sequence state the prefix cache keeps across requests (snapshots at the start of a turn and after
     /// each reply; on CUDA in the state pool beside the running sequences, on the CPU in RAM). 0 turns it off; at
     /// most 1,048,576 (1 TiB).
@@ -103,13 +109,24 @@ fn seconds(s: &str) -> Result<Duration, String> {
     Duration::try_from_secs_f64(x).map_err(|_| format!("'{s}' is not a number of seconds from 0 up"))
 }
 
-/// Start a runtime, listen at once, load the model in the background with `load(model, backend, ctx_size,
-/// state memory in bytes or None)`
-/// (/health answers 503 until it is ready), serve until SIGINT/SIGTERM and shut down within the grace.
-pub fn main(
-    args: Args,
-    load: impl FnOnce(&str, &str, usize, Option<usize>) -> Result<tern_engine::Model> + Send + 'static,
-) -> Result<()> {
+/// What `serve` loads: the model (directory or Hugging Face id) on a backend.
+#[derive(Clone, Debug)]
+pub struct Load {
+    pub model: String,
+    /// cpu, cuda or auto.
+    pub backend: String,
+    /// Context of one sequence.
+    pub ctx: usize,
+    /// Bytes of the CUDA state pool (`None`: the backend's default).
+    pub state: Option<usize>,
+    /// Drafts a step for speculative decoding (0: off): the backend keeps the MTP block's state beside each
+    /// sequence's.
+    pub speculative: usize,
+}
+
+/// Start a runtime, listen at once, load the model in the background with `load` (/health answers 503 until it
+/// is ready), serve until SIGINT/SIGTERM and shut down within the grace.
+pub fn main(args: Args, load: impl FnOnce(&Load) -> Result<tern_engine::Model> + Send + 'static) -> Result<()> {
     let opts = ServeOptions {
         host: args.host,
         port: args.port,
@@ -119,6 +136,7 @@ pub fn main(
         max_concurrent: args.max_concurrent,
         max_queue: args.max_queue,
         step_tokens: args.step_tokens,
+        speculative: args.speculative as usize,
         prefix_cache_bytes: usize::try_from(args.prefix_cache_mib << 20).unwrap_or(usize::MAX),
         max_body_bytes: args.max_body_bytes,
         max_connections: args.max_connections,
@@ -132,12 +150,17 @@ pub fn main(
         allow_special_in_content: args.allow_special_in_content,
     };
     opts.check()?;
-    let (model, backend, ctx) = (args.model, args.backend, args.ctx_size);
-    let state = (args.state_mib > 0).then(|| usize::try_from(args.state_mib << 20).unwrap_or(usize::MAX));
+    let what = Load {
+        model: args.model,
+        backend: args.backend,
+        ctx: args.ctx_size,
+        state: (args.state_mib > 0).then(|| usize::try_from(args.state_mib << 20).unwrap_or(usize::MAX)),
+        speculative: args.speculative as usize,
+    };
     let rt = tokio::runtime::Runtime::new()?;
     let served = rt.block_on(async move {
         let listener = crate::bind(&opts).await?;
-        crate::run(listener, move || load(&model, &backend, ctx, state), opts, crate::shutdown_signal()).await
+        crate::run(listener, move || load(&what), opts, crate::shutdown_signal()).await
     });
     // Do not wait for blocking work still going (a model still loading, a prompt still tokenising).
     rt.shutdown_background();

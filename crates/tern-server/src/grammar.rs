@@ -8,7 +8,9 @@
 //!   and compiling together) a request gets 503 `queue_full`, as the engine's queue answers.
 //! * Each request waits at most [`COMPILE_BUDGET`] for its compile: still queued then, 503 (retry); running, 400
 //!   `grammar_too_complex` naming the field. A client that leaves takes its compile off the queue; one already
-//!   running finishes (it cannot be interrupted) and its result only goes to the cache.
+//!   running finishes and its result only goes to the cache: llguidance cannot stop a compile (its cancellation
+//!   covers masks only), so the `Limits` are set so that every compile they accept ends well within the budget
+//!   (the slowest found: 1.2 s).
 //! * Compiled grammars are cached by their text ([`tern_text::constraint::Prepared::key`]; the whole key is
 //!   compared, not only its hash), [`CACHE_ENTRIES`] of them and [`CACHE_KEY_BYTES`] of keys at most, least
 //!   recently used out first: an agent loop that sends the same tools with every turn compiles them once. Each

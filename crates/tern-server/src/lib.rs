@@ -81,6 +81,8 @@ pub struct ServeOptions {
     pub max_queue: usize,
     /// Tokens one engine step reads (0: the backend's choice; see `EngineConfig::step_tokens`).
     pub step_tokens: usize,
+    /// Drafts a step for speculative decoding (0: off; see `EngineConfig::speculative`).
+    pub speculative: usize,
     /// Backend state the prefix cache may hold across requests, in bytes (0: no prefix cache).
     pub prefix_cache_bytes: usize,
     /// Larger request bodies get 413.
@@ -119,6 +121,7 @@ impl Default for ServeOptions {
             max_concurrent: 0,
             max_queue: 64,
             step_tokens: 0,
+            speculative: 0,
             prefix_cache_bytes: EngineConfig::default().prefix_cache_bytes,
             max_body_bytes: 8 << 20,
             max_connections: 512,
@@ -346,7 +349,11 @@ impl Ready {
             max_concurrent: opts.max_concurrent,
             max_queue: opts.max_queue,
             step_tokens: opts.step_tokens,
+            speculative: opts.speculative,
             prefix_cache_bytes: opts.prefix_cache_bytes,
+            // Two mask workers at least, even on two cores: one slow grammar's masks do not hold up every other
+            // constrained request's.
+            constraint_threads: EngineConfig::default().constraint_threads.max(2),
             ..EngineConfig::default()
         };
         let t0 = Instant::now();
@@ -760,6 +767,14 @@ async fn metrics(State(st): State<Shared>) -> Response {
             "time between steps applying their results (prefix-cache snapshots included)",
             get(&s.apply_us) / 1e6,
         );
+        metric(
+            "speculative_verifies_total",
+            "counter",
+            "speculative decoding: steps that checked drafts",
+            get(&s.spec_verifies),
+        );
+        metric("speculative_drafts_total", "counter", "speculative decoding: drafts checked", get(&s.spec_drafts));
+        metric("speculative_accepted_total", "counter", "speculative decoding: drafts accepted", get(&s.spec_accepted));
         metric("requests_running", "gauge", "requests being decoded", s.active.load(Ordering::Relaxed) as f64);
         let (entries, bytes) =
             (s.prefix_cache_entries.load(Ordering::Relaxed), s.prefix_cache_bytes.load(Ordering::Relaxed));

@@ -70,6 +70,12 @@ impl Rendered {
     /// token's string, the same ids as `tokenizer.encode(&self.text(), false)`, which splits at added tokens in
     /// the same way.
     pub fn encode(&self, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+        Ok(self.encode_within(tokenizer, usize::MAX)?.unwrap_or_default())
+    }
+
+    /// [`Self::encode`], or `None` once more than `limit` ids have come (the rest is not tokenised: see
+    /// [`Tokenizer::encode_within`]).
+    pub fn encode_within(&self, tokenizer: &Tokenizer, limit: usize) -> Result<Option<Vec<u32>>> {
         if !tokenizer.added_tokens_start_with('<') {
             return Err(TextError::Tokenizer(
                 "this tokenizer has added tokens that do not start with '<': the request's text cannot be kept apart \
@@ -84,16 +90,26 @@ impl Rendered {
             let pos = at + off;
             match tokenizer.added_token_at(&s[pos..]) {
                 Some((id, len)) => {
-                    ids.extend(tokenizer.encode_text(&unescape(&s[start..pos]))?);
+                    let Some(text) = tokenizer.encode_within(&unescape(&s[start..pos]), true, limit - ids.len())?
+                    else {
+                        return Ok(None);
+                    };
+                    ids.extend(text);
                     ids.push(id);
+                    if ids.len() > limit {
+                        return Ok(None);
+                    }
                     start = pos + len;
                     at = start;
                 }
                 None => at = pos + 1,
             }
         }
-        ids.extend(tokenizer.encode_text(&unescape(&s[start..]))?);
-        Ok(ids)
+        let Some(text) = tokenizer.encode_within(&unescape(&s[start..]), true, limit - ids.len())? else {
+            return Ok(None);
+        };
+        ids.extend(text);
+        Ok(Some(ids))
     }
 }
 

@@ -10,6 +10,9 @@
 //!   end or skip the reasoning (the stop ids, `<tool_call>`), so a constrained reply cannot end before its
 //!   constrained part; an optional budget forces `</think>` after that many reasoning tokens.
 //! * Once the grammar is complete the mask allows only the stop ids (llguidance's end of sequence).
+//! * A mask's work is bounded: by llguidance's limits (lexer fuel, `INITIAL_LEXER_FUEL` for the first mask; Earley
+//!   items), and where the grammar forces bytes, by `ForcedPrefix`. A mask over them is an error saying the
+//!   grammar is too expensive to enforce.
 //! * Compiling is in two parts: [`Grammars::prepare`] checks a spec against the [`Limits`] (in time linear in
 //!   its size, without recursion) and writes its grammar (the Lark of tool calls, GBNF read as Lark); then
 //!   [`Grammars::build`] runs llguidance's compile, which recurses over the grammar: run it on a thread with
@@ -29,7 +32,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::TokEnv;
+use llguidance::toktrie::{TokEnv, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Map, Value};
 
@@ -42,6 +45,13 @@ use limits::SchemaTally;
 /// per rule, 20 KiB per `$ref` link to an object); the [`Limits`] keep the deepest accepted chain under a tenth of
 /// this. Only the pages touched are ever committed.
 pub const COMPILE_STACK_BYTES: usize = 256 << 20;
+
+/// llguidance's lexer fuel for a grammar's lexer before its first mask (its default: 1M), which the first mask's
+/// forced bytes also draw on (about 4 a byte): with the default a 30-byte regex (`/((a{100}){100}){100}/`) spent
+/// 1.1 s in its first mask before failing, 0.2 s with this; `/a{100000}/` fails there in ~80 ms. Every later mask
+/// gets llguidance's `step_lexer_fuel` (200k). The largest grammars the [`Limits`] accept compile with 100k; the
+/// first mask of a 64 KiB literal needs under 250k.
+const INITIAL_LEXER_FUEL: u64 = 250_000;
 
 /// Whether a `grammar` text is llama.cpp's GBNF (its first rule is `name ::= ...`) rather than Lark.
 pub fn is_gbnf(text: &str) -> bool {
@@ -134,6 +144,16 @@ fn runtime_error(e: &str) -> String {
         None if e.message.contains("NoExtensionBias") => {
             "the grammar failed while generating: no token can continue it here".into()
         }
+        // llguidance's limits on the work of one mask (lexer fuel and states, Earley items).
+        None if ["too many expressions", "too many states", "Too many items", "Current row has"]
+            .iter()
+            .any(|m| e.message.contains(m)) =>
+        {
+            format!(
+                "the grammar is too expensive to enforce: a token mask needed more work than allowed ({})",
+                e.message
+            )
+        }
         None => format!("the grammar failed while generating: {}", e.message),
     }
 }
@@ -202,10 +222,13 @@ impl Grammars {
         let bt = toktrie_hf_tokenizers::ByteTokenizer::from_file(&path)
             .map_err(|e| GrammarError::new(format!("{}: {e:#}", path.display())))?;
         let env: TokEnv = bt.into_tok_env(None).map_err(|e| GrammarError::new(format!("{e:#}")))?;
+        let env: TokEnv = Arc::new(ForcedPrefix(env));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::new(format!("{e:#}")))?;
         factory.quiet();
+        let limits = factory.limits_mut();
         // Errors without the parser's state and the grammar (they go back to the client).
-        factory.limits_mut().verbose_errors = false;
+        limits.verbose_errors = false;
+        limits.initial_lexer_fuel = INITIAL_LEXER_FUEL;
         let trie = env.tok_trie();
         let vocab = trie.vocab_size();
         let newlines = (0..vocab as u32)
@@ -365,6 +388,54 @@ impl Grammars {
             Compiled(None)
         };
         Ok(self.constrained(compiled, reply))
+    }
+}
+
+/// Bytes of a forced run that llguidance tokenizes for one mask (see [`ForcedPrefix`]).
+const FORCED_TOKENIZE_BYTES: usize = 4096;
+
+/// The tokenizer llguidance sees, tokenizing at most the first [`FORCED_TOKENIZE_BYTES`] of what it is given.
+/// llguidance calls it (here: no prompts are given to it) only for a mask where the grammar forces the next bytes:
+/// it tokenizes all of them, and the mask is the first token. A grammar forcing 100k bytes (`/a{100000}/`, a long
+/// literal) re-tokenized them for every token's mask (30-40 ms each, past every other limit of a mask; six such
+/// requests held a 2-core server's steps a second); the first token of a 4 KiB prefix is the one of the whole run
+/// (a token is at most a few hundred bytes long), at under 1 ms a mask.
+struct ForcedPrefix(TokEnv);
+
+impl ForcedPrefix {
+    /// At most [`FORCED_TOKENIZE_BYTES`] of `s`, not cutting a UTF-8 character.
+    fn cut(s: &[u8]) -> &[u8] {
+        if s.len() <= FORCED_TOKENIZE_BYTES {
+            return s;
+        }
+        let back = s[..=FORCED_TOKENIZE_BYTES].iter().rev().take(4).take_while(|&&b| b & 0xC0 == 0x80).count();
+        &s[..FORCED_TOKENIZE_BYTES - back]
+    }
+}
+
+impl TokenizerEnv for ForcedPrefix {
+    fn tok_trie(&self) -> &TokTrie {
+        self.0.tok_trie()
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.0.tokenize_bytes(Self::cut(s))
+    }
+
+    fn tokenize_bytes_marker(&self, s: &[u8]) -> (Vec<TokenId>, usize) {
+        self.0.tokenize_bytes_marker(Self::cut(s))
+    }
+
+    fn tokenize_bytes_special(&self, s: &[u8]) -> Vec<TokenId> {
+        self.0.tokenize_bytes_special(Self::cut(s))
+    }
+
+    fn eos_token(&self) -> TokenId {
+        self.0.eos_token()
+    }
+
+    fn tokenize_is_canonical(&self) -> bool {
+        self.0.tokenize_is_canonical()
     }
 }
 
@@ -620,4 +691,25 @@ fn param_value(g: &mut String, id: &str, schema: &Value, strict: bool) -> String
     }
     let schema = with_options(schema, strict);
     format!("%json {schema} {close}")
+}
+
+#[cfg(test)]
+mod tests {
+    use llguidance::toktrie::ApproximateTokEnv;
+
+    use super::*;
+
+    #[test]
+    fn forced_runs_are_tokenized_up_to_the_cap_on_a_character_boundary() {
+        // One token per byte: the tokens are the bytes tokenized.
+        let env = ForcedPrefix(ApproximateTokEnv::single_byte_env());
+        assert_eq!(env.tokenize_bytes(&[b'a'; 100_000]).len(), FORCED_TOKENIZE_BYTES);
+        assert_eq!(env.tokenize_bytes_marker(&[b'a'; 100_000]).0.len(), FORCED_TOKENIZE_BYTES);
+        assert_eq!(env.tokenize_bytes(b"short"), env.0.tokenize_bytes(b"short"));
+        // Three-byte characters: 4096 = 3 * 1365 + 1, so the cap falls inside the 1366th; it is left out whole.
+        let euros = "\u{20ac}".repeat(30_000);
+        let cut = ForcedPrefix::cut(euros.as_bytes());
+        assert_eq!(cut.len(), 3 * 1365);
+        assert!(std::str::from_utf8(cut).is_ok());
+    }
 }

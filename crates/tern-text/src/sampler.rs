@@ -66,6 +66,12 @@ impl SamplingParams {
     }
 }
 
+/// What a draw is made from ([`Sampler::distribution`]).
+enum Dist {
+    One(u32),
+    Weighted(Vec<(u32, f32)>, Vec<f64>),
+}
+
 /// Stateful sampler: owns the parameters and the random generator.
 pub struct Sampler {
     params: SamplingParams,
@@ -98,6 +104,43 @@ impl Sampler {
     /// far). NaN logits count as -inf. Returns 0 for an empty slice; if every logit is -inf,
     /// returns the argmax (the first id).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        match self.distribution(logits, history) {
+            Dist::One(id) => id,
+            Dist::Weighted(cands, weights) => self.draw(&cands, &weights),
+        }
+    }
+
+    /// Speculative decoding's check of a `draft` token against the distribution [`Sampler::sample`] would draw
+    /// from (rejection sampling with a deterministic draft, as vLLM does for its drafts): the draft is accepted with
+    /// its probability p(draft); otherwise a token is drawn from p with the draft taken out, renormalised. The
+    /// token returned is distributed exactly as [`Sampler::sample`]'s; greedy (temperature <= 0) accepts the draft
+    /// exactly when it is the argmax, else returns the argmax. Returns the token and whether it is the draft
+    /// accepted.
+    pub fn verify(&mut self, logits: &mut [f32], history: &[u32], draft: u32) -> (u32, bool) {
+        match self.distribution(logits, history) {
+            Dist::One(id) => (id, id == draft),
+            Dist::Weighted(cands, mut weights) => {
+                let total: f64 = weights.iter().sum();
+                let at = cands[..weights.len()].iter().position(|c| c.0 == draft);
+                let p = at.map_or(0.0, |i| weights[i] / total);
+                if self.rng.next_f64() < p {
+                    return (draft, true);
+                }
+                match at {
+                    // p < 1, so another candidate has weight left.
+                    Some(i) if weights.len() > 1 => weights[i] = 0.0,
+                    Some(_) => return (draft, true),
+                    None => {}
+                }
+                (self.draw(&cands, &weights), false)
+            }
+        }
+    }
+
+    /// What [`Sampler::sample`] draws from: penalties, bias, temperature and the cuts applied; either the one id it
+    /// returns without drawing, or candidates (descending) and the unnormalised weights of the first
+    /// `weights.len()` of them.
+    fn distribution(&self, logits: &mut [f32], history: &[u32]) -> Dist {
         let p = &self.params;
         for l in logits.iter_mut().filter(|l| l.is_nan()) {
             *l = f32::NEG_INFINITY;
@@ -109,7 +152,7 @@ impl Sampler {
         }
         self.apply_penalties(logits, history);
         if p.temperature <= 0.0 {
-            return argmax(logits);
+            return Dist::One(argmax(logits));
         }
         // Candidates sorted by logit, descending (ties: lower id first), -inf excluded; with a top-k cut, only the k
         // best (a full vocabulary is 248k logits: collecting and partitioning them all took ~1 ms a token). A top_k
@@ -118,7 +161,7 @@ impl Sampler {
         let cands =
             if p.top_k > 0 && p.top_k < logits.len() { top_k_desc(logits, p.top_k) } else { sorted_desc(logits) };
         if cands.is_empty() {
-            return argmax(logits);
+            return Dist::One(argmax(logits));
         }
         // Softmax at temperature (max-subtracted), as f64 weights.
         let max = f64::from(cands[0].1);
@@ -142,6 +185,11 @@ impl Sampler {
             let keep = weights.iter().take_while(|w| **w >= f64::from(p.min_p)).count();
             weights.truncate(keep.max(1));
         }
+        Dist::Weighted(cands, weights)
+    }
+
+    /// One draw from `weights` over the first candidates.
+    fn draw(&mut self, cands: &[(u32, f32)], weights: &[f64]) -> u32 {
         let total: f64 = weights.iter().sum();
         let mut target = self.rng.next_f64() * total;
         for (i, w) in weights.iter().enumerate() {
@@ -150,7 +198,9 @@ impl Sampler {
                 return cands[i].0;
             }
         }
-        cands[weights.len() - 1].0
+        // Rounding: the last candidate with weight (the draft a rejection zeroed is never it).
+        let last = weights.iter().rposition(|&w| w > 0.0).unwrap_or(weights.len() - 1);
+        cands[last].0
     }
 
     fn apply_penalties(&self, logits: &mut [f32], history: &[u32]) {
@@ -312,6 +362,61 @@ mod tests {
                 let got: Vec<(u32, u32)> = top_k_desc(&logits, k).iter().map(|(i, l)| (*i, l.to_bits())).collect();
                 assert_eq!(got, want, "trial {trial} n {n} k {k}");
             }
+        }
+    }
+
+    /// Pearson's χ² of `counts` against `probs` over `n` draws (cells with expected count ≥ 5 each).
+    fn chi2(counts: &[usize], probs: &[f64], n: usize) -> f64 {
+        counts.iter().zip(probs).map(|(&c, &p)| (c as f64 - p * n as f64).powi(2) / (p * n as f64)).sum()
+    }
+
+    /// A draft checked by `verify` yields tokens distributed as `sample` draws them (rejection sampling with a
+    /// deterministic draft): for a draft in the distribution's support, one out of it, and one cut by top-k/top-p,
+    /// at two temperatures, with a penalty; and greedy accepts exactly the argmax.
+    #[test]
+    fn verify_draws_are_distributed_as_plain_draws() {
+        let logits = [2.0f32, 1.5, 1.0, 0.2, -0.5, -1.0];
+        let n = 60_000;
+        let cases = [
+            (SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, ..Default::default() }, 0u32),
+            (SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, ..Default::default() }, 3),
+            (SamplingParams { temperature: 0.7, top_k: 4, top_p: 1.0, ..Default::default() }, 5), // cut by top-k
+            (SamplingParams { temperature: 1.3, top_k: 0, top_p: 0.8, ..Default::default() }, 1),
+            (SamplingParams { temperature: 1.0, top_k: 0, presence_penalty: 1.0, ..Default::default() }, 0),
+        ];
+        for (ci, (params, draft)) in cases.iter().enumerate() {
+            let history = [0u32, 2];
+            // The plain distribution, estimated from many seeds of `sample`, and `verify`'s with other seeds.
+            let mut plain = vec![0usize; logits.len()];
+            let mut spec = vec![0usize; logits.len()];
+            let mut accepted = 0;
+            for i in 0..n {
+                let mut l = logits;
+                plain[Sampler::new(SamplingParams { seed: Some(i as u64), ..params.clone() }).sample(&mut l, &history)
+                    as usize] += 1;
+                let mut l = logits;
+                let seed = Some(1_000_000 + i as u64);
+                let (t, acc) = Sampler::new(SamplingParams { seed, ..params.clone() }).verify(&mut l, &history, *draft);
+                assert_eq!(acc, t == *draft && acc, "case {ci}: accepted means the draft");
+                accepted += acc as usize;
+                spec[t as usize] += 1;
+            }
+            // Two-sample χ² over the cells both ever hit (the expected shares from the pooled counts).
+            let cells: Vec<usize> = (0..logits.len()).filter(|&c| plain[c] + spec[c] > 0).collect();
+            let pooled: Vec<f64> = cells.iter().map(|&c| (plain[c] + spec[c]) as f64 / (2 * n) as f64).collect();
+            let x2 = chi2(&cells.iter().map(|&c| plain[c]).collect::<Vec<_>>(), &pooled, n)
+                + chi2(&cells.iter().map(|&c| spec[c]).collect::<Vec<_>>(), &pooled, n);
+            // 99.9th percentile of χ² with up to 5 degrees of freedom: 20.5.
+            assert!(x2 < 20.5, "case {ci}: χ² {x2:.1}: plain {plain:?} vs verify {spec:?}");
+            // The draft is accepted as often as plain sampling draws it.
+            let (a, p) = (accepted as f64 / n as f64, plain[*draft as usize] as f64 / n as f64);
+            assert!((a - p).abs() < 0.01, "case {ci}: accepted {a:.3} vs p(draft) {p:.3}");
+        }
+        // Greedy: the argmax whatever the draft, accepted only when it is the draft.
+        let greedy = SamplingParams { temperature: 0.0, ..Default::default() };
+        for d in 0..logits.len() as u32 {
+            let mut l = logits;
+            assert_eq!(Sampler::new(greedy.clone()).verify(&mut l, &[], d), (0, d == 0));
         }
     }
 }

@@ -23,6 +23,9 @@ pub struct Tokenizer {
     /// `inner.get_vocab_size(true)`, which builds the whole vocabulary map on every call (80 ms here; the engine
     /// asks once per request, on the scheduler thread).
     vocab_size: usize,
+    /// Whether a text may be tokenised in pieces ([`Self::encode_within`]): the normaliser, pre-tokenizer and added
+    /// tokens are the ones whose splitting [`pieces`] relies on.
+    piecewise: bool,
 }
 
 impl Tokenizer {
@@ -43,7 +46,31 @@ impl Tokenizer {
         let mut added_longest_first: Vec<(String, u32)> =
             added.iter().filter(|(_, (c, _))| !c.is_empty()).map(|(&id, (c, _))| (c.clone(), id)).collect();
         added_longest_first.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
-        Ok(Self { inner, added, added_longest_first, char_to_byte, bounds: OnceLock::new(), vocab_size })
+        let json = |v: Option<String>| v.unwrap_or_default();
+        let piecewise = json(inner.get_pre_tokenizer().and_then(|p| serde_json::to_string(p).ok()))
+            == QWEN_PRE_TOKENIZER
+            && json(inner.get_normalizer().and_then(|n| serde_json::to_string(n).ok())) == r#"{"type":"NFC"}"#
+            && inner
+                .get_added_tokens_decoder()
+                .values()
+                .all(|t| !(t.lstrip || t.rstrip || t.single_word || t.content.contains([' ', '\n', '\r'])));
+        Ok(Self { inner, added, added_longest_first, char_to_byte, bounds: OnceLock::new(), vocab_size, piecewise })
+    }
+
+    /// [`Self::encode`] (or, `as_text`, [`Self::encode_text`]) of a text, or `None` if it has more than `limit`
+    /// tokens: the text is tokenised in pieces of about 64 KiB, split where its tokens split anyway (so the
+    /// ids are the same), and the count stops at the first piece that takes it past `limit`. A prompt too long for
+    /// the context is refused after tokenising about as much of it as the context holds, not all of it (600 kB of
+    /// prose: 110k tokens).
+    pub fn encode_within(&self, text: &str, as_text: bool, limit: usize) -> Result<Option<Vec<u32>>> {
+        let mut ids = Vec::new();
+        for piece in pieces(text, if self.piecewise { PIECE_BYTES } else { usize::MAX }) {
+            ids.extend(if as_text { self.encode_text(piece)? } else { self.encode(piece, false)? });
+            if ids.len() > limit {
+                return Ok(None);
+            }
+        }
+        Ok(Some(ids))
     }
 
     /// Encodes text. Special tokens written in the text (e.g. `<|im_start|>`) map to their ids.
@@ -185,6 +212,39 @@ impl Tokenizer {
     }
 }
 
+/// The pre-tokenizer of this checkpoint's tokenizer.json (as the `tokenizers` crate writes it back), whose splits
+/// [`pieces`] relies on.
+const QWEN_PRE_TOKENIZER: &str = r#"{"type":"Sequence","pretokenizers":[{"type":"Split","pattern":{"Regex":"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},"behavior":"Isolated","invert":false},{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":false,"use_regex":false}]}"#;
+
+/// The size [`Tokenizer::encode_within`] tokenises a text in, about.
+const PIECE_BYTES: usize = 64 << 10;
+
+/// `text` in consecutive pieces of at least `min` bytes (but the last), each ending where no token of the
+/// whole text's tokenisation crosses: between a newline and an ASCII letter or digit, or between an ASCII letter
+/// and a space followed by one. [`QWEN_PRE_TOKENIZER`] never puts either pair in one piece (a piece holding a
+/// newline ends at its last newline; one holding letters and a space starts with that space), NFC composes
+/// neither (both are starters that compose with nothing before them), and no added token holds a space or newline
+/// (checked where [`Tokenizer::piecewise`] is set). A text without such places is one piece.
+fn pieces(text: &str, min: usize) -> impl Iterator<Item = &str> {
+    let mut rest = text;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let b = rest.as_bytes();
+        let cut = (min.max(1)..b.len())
+            .find(|&i| {
+                let (prev, next) = (b[i - 1], b[i]);
+                (prev == b'\n' && next.is_ascii_alphanumeric())
+                    || (prev.is_ascii_alphabetic() && next == b' ' && b.get(i + 1).is_some_and(u8::is_ascii_alphabetic))
+            })
+            .unwrap_or(b.len());
+        let (piece, tail) = rest.split_at(cut);
+        rest = tail;
+        Some(piece)
+    })
+}
+
 /// The longest token of each class of [`ByteClass`] (a token's class: its first class in that order), in bytes,
 /// each at least the one before; and whether every ASCII digit is a token of its own.
 #[derive(Clone, Copy, Debug)]
@@ -233,4 +293,39 @@ fn byte_level_chars() -> Vec<char> {
             char::from_u32(code).unwrap_or('\u{FFFD}')
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_the_text_and_end_at_the_splits_only() {
+        let text = "Some words here.\nAnd a 2nd line\n\n".repeat(20_000);
+        let cut: Vec<&str> = pieces(&text, PIECE_BYTES).collect();
+        assert!(cut.len() > 5, "{} pieces", cut.len());
+        assert_eq!(cut.concat(), text);
+        for (p, next) in cut.iter().zip(&cut[1..]) {
+            assert!(p.len() >= PIECE_BYTES, "{}", p.len());
+            let (a, b) = (p.as_bytes()[p.len() - 1], next.as_bytes());
+            let split = (a == b'\n' && b[0].is_ascii_alphanumeric())
+                || (a.is_ascii_alphabetic() && b[0] == b' ' && b[1].is_ascii_alphabetic());
+            assert!(split, "{:?} | {:?}", &p[p.len() - 5..], &next[..5]);
+        }
+        // No place to split: one piece.
+        let run = "\u{4f60}".repeat(100_000);
+        assert_eq!(pieces(&run, PIECE_BYTES).collect::<Vec<_>>(), [run.as_str()]);
+        assert_eq!(pieces(&text, usize::MAX).collect::<Vec<_>>(), [text.as_str()]);
+    }
+
+    #[test]
+    fn the_checkpoints_tokenizer_is_tokenised_in_pieces() {
+        let Ok(dir) = std::env::var("TERN_QWEN_DIR") else {
+            println!("SKIPPED: the_checkpoints_tokenizer_is_tokenised_in_pieces: TERN_QWEN_DIR not set");
+            return;
+        };
+        // (relative to the workspace, as the integration tests read it)
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(dir);
+        assert!(Tokenizer::from_dir(dir).unwrap().piecewise, "its pre-tokenizer, normaliser or added tokens changed");
+    }
 }

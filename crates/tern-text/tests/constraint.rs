@@ -430,3 +430,26 @@ ws ::= [ ]?
         }
     }
 }
+
+/// A grammar forcing a 50k-byte run (`/a{50000}/`) masks only what the run's own tokenization starts with, each
+/// step (llguidance tokenizes a bounded prefix of the run for it: the first token is the same); a 100k-byte run
+/// outlasts the lexer's fuel in the first mask and fails with an error that says so.
+#[test]
+fn a_long_forced_run_masks_its_canonical_first_token() {
+    let Some((g, tok)) = load("a_long_forced_run_masks_its_canonical_first_token") else { return };
+    let mut c = g.compile(Spec::Lark("start: /a{50000}/\n"), &reply(false)).unwrap();
+    let mut left = 50_000;
+    for step in 0..5 {
+        let words = c.mask().unwrap().unwrap();
+        let allowed: Vec<u32> = (0..words.len() as u32 * 32).filter(|&id| allows(&words, id)).collect();
+        let canonical = tok.encode_text(&"a".repeat(left)).unwrap()[0];
+        assert_eq!(allowed, [canonical], "step {step}: the mask of {left} forced bytes");
+        c.commit(canonical).unwrap();
+        left -= tok.token_bytes(canonical).unwrap().len();
+    }
+    let mut c = g.compile(Spec::Lark("start: /a{100000}/\n"), &reply(false)).unwrap();
+    // (The first mask forces as much of the run as the fuel lasts for; drawing from it ends the grammar.)
+    let words = c.mask().unwrap().unwrap();
+    let e = c.commit((0..).find(|&id| allows(&words, id)).unwrap()).unwrap_err();
+    assert!(e.starts_with("the grammar is too expensive to enforce") && e.contains("too many expressions"), "{e}");
+}

@@ -113,3 +113,57 @@ fn min_tokens_is_a_lower_bound() {
     // A run of spaces is what it says: 128 a token.
     assert_eq!(tok.min_tokens(&" ".repeat(4_000_000)), 31_250);
 }
+
+/// Tokenising in pieces ([`Tokenizer::encode_within`]) gives the ids of the whole text, with and without added
+/// tokens read as such, on text mixing what the pre-tokenizer and NFC treat specially around the places it splits
+/// at (newlines before letters and digits, spaces between letters); past the limit it answers `None`.
+#[test]
+fn encoding_in_pieces_gives_the_whole_texts_ids() {
+    let Some(tok) = load("encoding_in_pieces_gives_the_whole_texts_ids") else {
+        return;
+    };
+    let fragments = [
+        "The quick brown fox",
+        " jumps",
+        "\n",
+        "\n\n",
+        "  \n",
+        " \nX",
+        ".\nY",
+        "\r\nZ",
+        "it's",
+        " they'll go",
+        "\t",
+        "e\u{0301} x",
+        "a\u{0308}",
+        " \u{0301}b",
+        "12 34\n5",
+        "<|im_start|>user\nHello",
+        "<|im_end|>\n",
+        "<think>",
+        "你好，世界",
+        " 안녕하세요",
+        "🦙 ",
+        "x  y",
+        "   ",
+        "\u{1100}\u{1161}",
+        "fn f() {\n    a\n}\n",
+        "-- ",
+        "A",
+    ];
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut text = String::new();
+    while text.len() < 400_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        text.push_str(fragments[(state % fragments.len() as u64) as usize]);
+    }
+    let whole = tok.encode(&text, false).unwrap();
+    assert_eq!(tok.encode_within(&text, false, usize::MAX).unwrap().as_ref(), Some(&whole));
+    let as_text = tok.encode_text(&text).unwrap();
+    assert_eq!(tok.encode_within(&text, true, usize::MAX).unwrap().as_ref(), Some(&as_text));
+    assert_eq!(tok.encode_within(&text, false, whole.len()).unwrap().as_ref(), Some(&whole));
+    assert_eq!(tok.encode_within(&text, false, whole.len() - 1).unwrap(), None);
+    assert_eq!(tok.encode_within(&text, true, 1000).unwrap(), None);
+}

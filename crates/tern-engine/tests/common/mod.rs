@@ -194,10 +194,18 @@ impl Backend for Recorder {
     fn state_bytes(&self, seq: SeqId) -> usize {
         self.inner.state_bytes(seq)
     }
+    fn max_drafts(&self) -> usize {
+        self.inner.max_drafts()
+    }
     fn step(&self, work: &[Work]) -> Vec<anyhow::Result<Output>> {
         let items = work
             .iter()
-            .map(|w| Item { seq: w.seq, n: w.ids.len(), ids: w.ids.to_vec(), sample: matches!(w.out, Want::Sample(_)) })
+            .map(|w| Item {
+                seq: w.seq,
+                n: w.ids.len(),
+                ids: w.ids.to_vec(),
+                sample: matches!(w.out, Want::Sample(_) | Want::Verify(_)),
+            })
             .collect();
         self.steps.lock().unwrap().push(items);
         let mut held = self.held.lock().unwrap();

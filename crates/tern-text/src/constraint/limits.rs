@@ -6,7 +6,11 @@
 //! 3 KiB of stack per rule while compiling (800 rules overflowed a 2 MiB thread), a `$ref` chain whose
 //! definitions are objects about 20 KiB per link (300 overflowed 2 MiB); 10k alternatives compile in ~0.1 s but
 //! 50k in 4 s and 100k in 22 s (then llguidance panics on its symbol table); a sequence of 20k literals costs
-//! 0.1 s a mask. The defaults keep a compile well under a second and its stack well under
+//! 0.1 s a mask. In a JSON schema, an object's optional properties cost quadratic time (1000: 0.08 s, 3000: 0.9 s,
+//! 6000: 3.6 s) and its `patternProperties` cubic (100: 0.06 s, 200: 0.5 s, 400: 13 s). llguidance cannot stop a
+//! compile once begun (its cancellation covers masks, not compiles; its fuel and size limits bound size, not these
+//! times): these limits are what keeps every compile within the server's budget. With the defaults the slowest
+//! compiles found take about 1.2 s (nine objects of 1000 optional properties) and their stack well under
 //! [`super::COMPILE_STACK_BYTES`].
 
 use std::collections::HashSet;
@@ -37,6 +41,11 @@ pub struct Limits {
     pub ref_depth: usize,
     /// Values of `enum` lists in a schema (or the tools' parameters), in all.
     pub enum_values: usize,
+    /// Properties of one object (its `properties`): llguidance's compile is quadratic in them.
+    pub object_properties: usize,
+    /// `patternProperties` entries of a schema (or the tools' parameters), in all: llguidance's compile checks
+    /// that those of an object are disjoint, cubic in their number.
+    pub pattern_properties: usize,
 }
 
 impl Default for Limits {
@@ -51,6 +60,8 @@ impl Default for Limits {
             schema_nodes: 20_000,
             ref_depth: 4_000,
             enum_values: 5_000,
+            object_properties: 1_000,
+            pattern_properties: 100,
         }
     }
 }
@@ -64,6 +75,7 @@ fn over(limit: &'static str, message: String) -> GrammarError {
 pub(crate) struct SchemaTally {
     nodes: usize,
     enum_values: usize,
+    pattern_properties: usize,
 }
 
 impl Limits {
@@ -99,6 +111,31 @@ impl Limits {
                                      is one of them",
                                     self.enum_values,
                                     e.len()
+                                ),
+                            ));
+                        }
+                    }
+                    if let Some(Value::Object(p)) = m.get("properties") {
+                        if p.len() > self.object_properties {
+                            return Err(over(
+                                "object_properties",
+                                format!(
+                                    "{what}: an object with {} properties; at most {} are accepted in one object \
+                                     (object_properties)",
+                                    p.len(),
+                                    self.object_properties
+                                ),
+                            ));
+                        }
+                    }
+                    if let Some(Value::Object(p)) = m.get("patternProperties") {
+                        tally.pattern_properties += p.len();
+                        if tally.pattern_properties > self.pattern_properties {
+                            return Err(over(
+                                "pattern_properties",
+                                format!(
+                                    "{what}: more than {} patternProperties in all (pattern_properties)",
+                                    self.pattern_properties
                                 ),
                             ));
                         }
@@ -322,8 +359,19 @@ mod tests {
         let e: Vec<Value> = (0..100_000).map(|i| json!(format!("v{i}"))).collect();
         let big_enum = json!({"type": "object", "properties": {"a": {"enum": e}}});
         assert_eq!(limit_of(check(&big_enum)), Some("enum_values"));
-        let props: serde_json::Map<String, Value> = (0..30_000).map(|i| (format!("p{i}"), json!(1))).collect();
-        assert_eq!(limit_of(check(&json!({"properties": props}))), Some("schema_nodes"));
+        let props: serde_json::Map<String, Value> = (0..1000).map(|i| (format!("p{i}"), json!({}))).collect();
+        assert!(check(&json!({"properties": {"a": {"properties": props}}})).is_ok());
+        let many: Vec<Value> = (0..30).map(|_| json!({"properties": props})).collect();
+        assert_eq!(limit_of(check(&json!({"anyOf": many}))), Some("schema_nodes"));
+        let props: serde_json::Map<String, Value> = (0..1001).map(|i| (format!("p{i}"), json!({}))).collect();
+        assert_eq!(limit_of(check(&json!({"properties": props}))), Some("object_properties"));
+        let pats = |n: usize| -> Value {
+            let p: serde_json::Map<String, Value> = (0..n).map(|i| (format!("^x{i}"), json!({}))).collect();
+            json!({"type": "object", "patternProperties": p})
+        };
+        assert!(check(&pats(100)).is_ok());
+        assert_eq!(limit_of(check(&pats(101))), Some("pattern_properties"));
+        assert_eq!(limit_of(check(&json!({"anyOf": [pats(60), pats(60)]}))), Some("pattern_properties"));
         // Budgets are shared by the schemas of one request.
         let e: Vec<Value> = (0..3000).map(|i| json!(i)).collect();
         let half = json!({"enum": e});
