@@ -59,6 +59,10 @@ SEARCH_TOOL = {
 }
 
 
+# A 1 x 1 PNG (the template never reads an image's data).
+PNG_URL = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+
+
 def user(text):
     return {"role": "user", "content": text}
 
@@ -166,6 +170,41 @@ CASES = [
         ],
         None,
         {},
+    ),
+    # Images, as clients send them (OpenAI image_url parts) and as tern's server hands them to the template
+    # ({"type": "image"} placeholders): each renders as <|vision_start|><|image_pad|><|vision_end|>.
+    (
+        "image_url_part",
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG_URL}}, {"type": "text", "text": "What is in this picture?"}]}],
+        None,
+        {},
+    ),
+    (
+        "image_placeholders_multi_turn",
+        [
+            {"role": "system", "content": "Describe images."},
+            {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image"}, {"type": "text", "text": " and "}, {"type": "image"}, {"type": "text", "text": "."}]},
+            {"role": "assistant", "content": "Two cats."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this one?"}]},
+        ],
+        None,
+        {"enable_thinking": False},
+    ),
+    (
+        "image_in_tool_response",
+        [
+            user("Take a screenshot."),
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "screenshot", "arguments": {}}}]},
+            {"role": "tool", "content": [{"type": "text", "text": "Screenshot taken:"}, {"type": "image_url", "image_url": {"url": PNG_URL}}]},
+        ],
+        [{"type": "function", "function": {"name": "screenshot", "description": "Capture the screen.", "parameters": {"type": "object", "properties": {}}}}],
+        {},
+    ),
+    (
+        "image_add_vision_id",
+        [{"role": "user", "content": [{"type": "image"}, {"type": "image_url", "image_url": {"url": PNG_URL}}, {"type": "text", "text": "Same?"}]}],
+        None,
+        {"add_vision_id": True},
     ),
     (
         "extra_kwargs_ignored",

@@ -104,6 +104,7 @@ impl Session {
             logprobs: None,
             constraint: None,
             min_tokens: 0,
+            images: Vec::new(),
         };
         let rx = self.engine.submit(req)?;
         let mut parser = OutputParser::new(&[], self.thinking);

@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Result};
 use rayon::prelude::*;
-use tern_model::forward::{MtpPart, Part};
+use tern_model::forward::{ImageRows, MtpPart, Part};
 use tern_model::{Logits, State, Weights};
 use tern_text::{Sampler, SamplingParams};
 
@@ -104,6 +104,18 @@ impl std::fmt::Display for AllocError {
 }
 
 impl std::error::Error for AllocError {}
+
+/// An image of a prompt, ready for the vision tower.
+#[derive(Clone, Debug)]
+pub struct Image {
+    /// Its pixel rows and grid, preprocessed ([`tern_model::vision::preprocess`]).
+    pub pixels: Arc<tern_model::vision::Pixels>,
+    /// A hash of the image's bytes: the prefix cache keys the snapshots after an image by it, so that one image's
+    /// snapshot never serves another.
+    pub hash: u64,
+    /// Image pad tokens it takes in the prompt ([`tern_model::vision::Pixels::tokens`] at the model's merge size).
+    pub tokens: usize,
+}
 
 /// One sequence's part of a step.
 pub struct Work<'a> {
@@ -362,6 +374,21 @@ pub trait Backend: Send + Sync {
     fn max_drafts(&self) -> usize {
         0
     }
+
+    /// The model's image pad id when this backend reads images (the model has a vision tower), else `None`.
+    fn image_token_id(&self) -> Option<u32> {
+        None
+    }
+
+    /// The images behind the image pad runs `seq` reads next, in order (replacing any it was given before): each
+    /// step item reads whole runs, and the backend puts the vision tower's rows of the next image in place of each
+    /// run's pads. An error when the backend does not read images.
+    fn set_images(&self, seq: SeqId, images: &[Image]) -> Result<()> {
+        match images {
+            [] => Ok(()),
+            _ => bail!("{}: this backend does not read images", seq),
+        }
+    }
 }
 
 /// Read `ids` into `seq` as a step of its own and return its logits: every row (`all`) or the last.
@@ -611,6 +638,8 @@ pub struct CpuBackend {
 pub struct Seq {
     main: State,
     mtp: Option<Mtp>,
+    /// The images behind the image pad runs it reads next ([`Backend::set_images`]).
+    images: std::collections::VecDeque<Image>,
 }
 
 /// The MTP block's side of a sequence (see [`CpuBackend`]).
@@ -654,7 +683,35 @@ impl CpuBackend {
 
     fn new_seq(&self) -> Seq {
         let mtp = self.mtp.then(|| Mtp { state: State::new_mtp(), pending: Vec::new() });
-        Seq { main: State::new(&self.weights.config), mtp }
+        Seq { main: State::new(&self.weights.config), mtp, images: Default::default() }
+    }
+
+    /// The vision tower's rows (and grid) of the next images of `seq`, one per image pad run of `ids`.
+    fn tower_rows(&self, ids: &[u32], seq: &mut Seq) -> Result<Vec<(Vec<f32>, [usize; 3])>> {
+        let (Some(pad), Some(vision)) = (self.image_token_id(), self.weights.vision.as_ref()) else {
+            return Ok(Vec::new());
+        };
+        if seq.images.is_empty() {
+            return Ok(Vec::new()); // pads without images are read as the ids they are
+        }
+        let mut out = Vec::new();
+        let mut t = 0;
+        while t < ids.len() {
+            if ids[t] != pad {
+                t += 1;
+                continue;
+            }
+            let len = ids[t..].iter().take_while(|&&i| i == pad).count();
+            let Some(im) = seq.images.pop_front() else {
+                bail!("image pads at {t} without an image (more pad runs than images)");
+            };
+            if im.tokens != len {
+                bail!("a run of {len} image pads at {t} for an image of {} tokens", im.tokens);
+            }
+            out.push((vision.forward(&im.pixels.values, &[im.pixels.grid])?, im.pixels.grid));
+            t += len;
+        }
+        Ok(out)
     }
 
     fn reserve(&self, t: &Table<Seq>, tokens: usize) -> Result<usize, AllocError> {
@@ -833,6 +890,21 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn image_token_id(&self) -> Option<u32> {
+        self.weights.vision.as_ref().map(|_| self.weights.config.image_token_id)
+    }
+
+    fn set_images(&self, seq: SeqId, images: &[Image]) -> Result<()> {
+        if !images.is_empty() && self.image_token_id().is_none() {
+            bail!("this model reads no images (its checkpoint has no vision tower)");
+        }
+        let mut t = self.slots.lock();
+        let Some(slot) = t.live.get_mut(&seq.0) else { bail!("no {seq} on this backend") };
+        let Some(st) = slot.state.as_mut() else { bail!("the state of {seq} was lost in a failed step") };
+        st.images = images.iter().cloned().collect();
+        Ok(())
+    }
+
     fn step(&self, work: &[Work]) -> Vec<Result<Output>> {
         let vocab = self.vocab_size();
         let mut results: Vec<Option<Result<Output>>> = work.iter().map(|_| None).collect();
@@ -856,6 +928,28 @@ impl Backend for CpuBackend {
                 }
             }
         }
+        // The vision tower's rows of the images the items read (outside the lock); an item whose images do not
+        // match its pads fails alone.
+        let mut towers: Vec<Vec<(Vec<f32>, [usize; 3])>> = Vec::with_capacity(taken.len());
+        let mut failed = Vec::new();
+        for (j, (i, st)) in taken.iter_mut().enumerate() {
+            match self.tower_rows(work[*i].ids, st) {
+                Ok(r) => towers.push(r),
+                Err(e) => {
+                    towers.push(Vec::new());
+                    failed.push((j, e));
+                }
+            }
+        }
+        if !failed.is_empty() {
+            let mut t = self.slots.lock();
+            for (j, e) in failed.into_iter().rev() {
+                let (i, st) = taken.remove(j);
+                towers.remove(j);
+                t.put(work[i].seq, st);
+                results[i] = Some(Err(e.context("image")));
+            }
+        }
         let starts: Vec<usize> = taken.iter().map(|(_, s)| s.main.pos).collect();
         let outs = {
             let hidden = vec![if self.mtp { Logits::All } else { Logits::Skip }; taken.len()];
@@ -875,7 +969,29 @@ impl Backend for CpuBackend {
                     Part { ids: w.ids, state: &mut st.main, logits }
                 })
                 .collect();
-            self.weights.forward_batch_hidden(&mut parts, &hidden)
+            if towers.iter().all(Vec::is_empty) {
+                Ok(self.weights.forward_batch_hidden(&mut parts, &hidden))
+            } else {
+                let rows: Vec<Vec<ImageRows>> = towers
+                    .iter()
+                    .map(|t| t.iter().map(|(rows, grid)| ImageRows { rows, grid: *grid }).collect())
+                    .collect();
+                let refs: Vec<&[ImageRows]> = rows.iter().map(Vec::as_slice).collect();
+                self.weights.forward_batch_mm(&mut parts, &refs, &hidden)
+            }
+        };
+        let outs = match outs {
+            Ok(o) => o,
+            Err(e) => {
+                // (checked before anything was computed: the states are as they were)
+                let mut t = self.slots.lock();
+                for (i, st) in taken {
+                    t.put(work[i].seq, st);
+                    results[i] = Some(Err(anyhow!("{e:#}")));
+                }
+                drop(t);
+                return results.into_iter().map(|r| r.unwrap_or_else(|| Err(anyhow!("internal: no result")))).collect();
+            }
         };
         let (logits, hidden): (Vec<Vec<f32>>, Vec<Vec<f32>>) = outs.into_iter().map(|o| (o.logits, o.hidden)).unzip();
         let mut done: Vec<Result<Output>> = taken
@@ -1080,5 +1196,11 @@ where
     }
     fn max_drafts(&self) -> usize {
         self.inner.max_drafts()
+    }
+    fn image_token_id(&self) -> Option<u32> {
+        self.inner.image_token_id()
+    }
+    fn set_images(&self, seq: SeqId, images: &[Image]) -> Result<()> {
+        self.inner.set_images(seq, images)
     }
 }

@@ -54,6 +54,7 @@ pub fn constrained_decoding_cost(backend: Arc<dyn Backend>, dir: &Path) -> Resul
             logprobs: None,
             constraint,
             min_tokens: 0,
+            images: Vec::new(),
         };
         let (mut first, mut last, mut n, mut text) = (None, None, 0usize, String::new());
         for ev in engine.submit(req).map_err(|e| anyhow::anyhow!("{case}: {e}"))? {

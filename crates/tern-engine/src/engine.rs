@@ -66,7 +66,8 @@ use anyhow::Result;
 use tern_text::{DetokConfig, Detokenizer, Finish, SamplingParams, Tokenizer, IM_START_ID};
 
 use crate::backend::{
-    panic_message, AllocError, Backend, MaskResult, MaskSlot, Output, Sample, SeqId, TokenLogprob, Verify, Want, Work,
+    panic_message, AllocError, Backend, Image, MaskResult, MaskSlot, Output, Sample, SeqId, TokenLogprob, Verify, Want,
+    Work,
 };
 
 #[derive(Clone, Debug)]
@@ -188,6 +189,9 @@ pub struct Request {
     /// vLLM's `min_tokens`: the first this many tokens are drawn with the stop ids kept out (a large negative
     /// bias, so that a constraint allowing nothing else can still end), and no stop string ends them.
     pub min_tokens: usize,
+    /// The images of the prompt, in order: image `i` is the `i`-th run of the model's image pad tokens
+    /// (`image_token_id`), exactly [`Image::tokens`] of them.
+    pub images: Vec<Image>,
 }
 
 /// The bias that keeps stop ids out of the first `min_tokens` draws: finite (the samplers refuse infinities),
@@ -245,6 +249,8 @@ pub enum SubmitError {
     QueueFull {
         waiting: usize,
     },
+    /// The images do not match the prompt's image pads, or the model reads none.
+    BadImages(String),
 }
 
 impl std::fmt::Display for SubmitError {
@@ -259,6 +265,7 @@ impl std::fmt::Display for SubmitError {
             ),
             SubmitError::BadToken { id, vocab } => write!(f, "token id {id} is outside the vocabulary (size {vocab})"),
             SubmitError::QueueFull { waiting } => write!(f, "the server is busy: {waiting} requests are waiting"),
+            SubmitError::BadImages(why) => write!(f, "{why}"),
         }
     }
 }
@@ -439,6 +446,8 @@ pub struct Engine {
     pub stats: Arc<Stats>,
     pub config: EngineConfig,
     vocab: usize,
+    /// The model's image pad id when the backend reads images.
+    image_pad: Option<u32>,
     running: Arc<AtomicBool>,
 }
 
@@ -460,6 +469,7 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Stats::default());
         let vocab = backend.vocab_size();
+        let image_pad = backend.image_token_id();
         let running = Arc::new(AtomicBool::new(true));
         let (s, c, guard) = (stats.clone(), config.clone(), RunningGuard(running.clone()));
         std::thread::Builder::new()
@@ -470,7 +480,7 @@ impl Engine {
                 Scheduler::new(&*backend, &tokenizer, &s, &c, masks).run(rx)
             })
             .expect("cannot start the scheduler thread");
-        Engine { jobs: tx, stats, config, vocab, running }
+        Engine { jobs: tx, stats, config, vocab, image_pad, running }
     }
 
     /// Whether the scheduler thread is alive (false once it has ended, for whatever reason).
@@ -485,6 +495,9 @@ impl Engine {
         }
         if let Some(&id) = req.prompt.iter().find(|&&i| i as usize >= self.vocab) {
             return Err(SubmitError::BadToken { id, vocab: self.vocab });
+        }
+        if let Err(why) = check_images(&req, self.image_pad) {
+            return Err(SubmitError::BadImages(why));
         }
         if req.prompt.len().saturating_add(req.max_tokens) > self.config.ctx_size {
             return Err(SubmitError::TooLong {
@@ -523,6 +536,8 @@ struct Active<'t> {
     prompt_len: usize,
     /// Snapshot point: the last `<|im_start|>` of the prompt (the start of the turn being generated).
     boundary: usize,
+    /// The prompt's image pad runs, `[start, end)`: a chunk never ends inside one.
+    runs: Vec<(usize, usize)>,
     /// Room reserved on the backend: prompt + max_tokens.
     reserve: usize,
     seed: u64,
@@ -703,6 +718,10 @@ impl Active<'_> {
         let mut end = self.tokens.len().min(self.fed + budget);
         if self.fed < self.boundary {
             end = end.min(self.boundary);
+        }
+        // An image is read whole: back to its start, or past its end when it starts the chunk.
+        if let Some(&(s, e)) = self.runs.iter().find(|&&(s, e)| s < end && end < e) {
+            end = if s > self.fed { s } else { e };
         }
         end
     }
@@ -935,9 +954,10 @@ impl<'a> Scheduler<'a> {
                 }
             };
             let a = &self.active[i];
-            let end = a.chunk_end(left - reserve);
+            let end = a.chunk_end(left.saturating_sub(reserve));
             if end > a.fed {
-                left -= end - a.fed;
+                // (an image read whole may take more than the budget left)
+                left = left.saturating_sub(end - a.fed);
                 chunks.push((i, end));
             }
         }
@@ -987,14 +1007,25 @@ impl<'a> Scheduler<'a> {
     /// there are none).
     fn place(&mut self, req: &Request) -> Result<(SeqId, usize), AllocError> {
         let reserve = req.prompt.len() + req.max_tokens;
+        let runs = self.backend.image_token_id().map_or(Vec::new(), |pad| pad_runs(&req.prompt, pad));
+        let key = cache_key(&req.prompt, &runs, &req.images);
         loop {
-            let hit = self.cache.lookup(&req.prompt);
+            let hit = self.cache.lookup(&key);
             let got = match hit {
                 Some((src, n)) => self.backend.fork(src, reserve).map(|s| (s, n)),
                 None => self.backend.alloc(reserve).map(|s| (s, 0)),
             };
             match got {
-                Ok(x) => return Ok(x),
+                Ok((seq, n)) => {
+                    // The images after what the sequence holds.
+                    let first = runs.iter().take_while(|r| r.0 < n).count();
+                    let rest = req.images.get(first..).unwrap_or_default();
+                    if let Err(e) = self.backend.set_images(seq, rest) {
+                        self.backend.free(seq);
+                        return Err(AllocError::Failed(format!("{e:#}")));
+                    }
+                    return Ok((seq, n));
+                }
                 Err(AllocError::Unknown(id)) => self.cache.forget(id),
                 Err(AllocError::Full { .. }) if self.cache.evict(self.backend, hit.map(|h| h.0)) => {}
                 Err(e) => return Err(e),
@@ -1045,6 +1076,7 @@ impl<'a> Scheduler<'a> {
                 _ => 0,
             },
             reserve: prompt.len() + job.req.max_tokens,
+            runs: self.backend.image_token_id().map_or(Vec::new(), |pad| pad_runs(prompt, pad)),
             seq,
             detok,
             generated: Vec::new(),
@@ -1198,8 +1230,8 @@ impl<'a> Scheduler<'a> {
                     // (A reply that ended inside a verify's accepted drafts holds more than its tokens: the
                     // cache's length check then frees it.)
                     let a = self.active.remove(i);
-                    let ids = a.tokens[..a.fed.min(a.tokens.len())].to_vec();
-                    self.cache.insert(self.backend, ids, a.seq);
+                    let key = cache_key(&a.tokens[..a.fed.min(a.tokens.len())], &a.runs, &a.job.req.images);
+                    self.cache.insert(self.backend, key, a.seq);
                 }
                 Fate::Drop => {
                     let a = self.active.remove(i);
@@ -1215,6 +1247,11 @@ impl<'a> Scheduler<'a> {
         self.backend.free(a.seq);
         match self.backend.alloc(a.reserve) {
             Ok(seq) => {
+                if let Err(e) = self.backend.set_images(seq, &a.job.req.images) {
+                    self.backend.free(seq);
+                    let _ = a.job.events.send(Event::Error(format!("internal error, and cannot retry: {e:#}")));
+                    return Fate::Drop;
+                }
                 (a.seq, a.fed, a.suspect) = (seq, 0, true);
                 if let Some(spec) = &mut a.spec {
                     spec.drafts.clear();
@@ -1241,7 +1278,7 @@ impl<'a> Scheduler<'a> {
         a.fed = end;
         if a.fed == a.boundary && a.boundary > a.usage.cached_tokens && self.cache.capacity > 0 {
             if let Ok(snap) = self.backend.fork(a.seq, a.fed) {
-                self.cache.insert(self.backend, a.tokens[..a.fed].to_vec(), snap);
+                self.cache.insert(self.backend, cache_key(&a.tokens[..a.fed], &a.runs, &a.job.req.images), snap);
             }
         }
         let (drawn, drafts) = match out {
@@ -1384,6 +1421,54 @@ fn emit_token(a: &mut Active, token: u32, logprob: Option<TokenLogprob>, stats: 
     Fate::Done
 }
 
+/// The runs `[start, end)` of `pad` in `ids`.
+fn pad_runs(ids: &[u32], pad: u32) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    let mut t = 0;
+    while t < ids.len() {
+        if ids[t] == pad {
+            let len = ids[t..].iter().take_while(|&&i| i == pad).count();
+            runs.push((t, t + len));
+            t += len;
+        } else {
+            t += 1;
+        }
+    }
+    runs
+}
+
+/// A request's images against its prompt: one run of image pads per image, of the image's tokens.
+fn check_images(req: &Request, pad: Option<u32>) -> Result<(), String> {
+    if req.images.is_empty() {
+        return Ok(());
+    }
+    let Some(pad) = pad else {
+        return Err("this model reads no images: its checkpoint has no vision tower, or its backend none yet".into());
+    };
+    let runs = pad_runs(&req.prompt, pad);
+    if runs.len() != req.images.len() {
+        return Err(format!("{} images, but {} runs of image pads in the prompt", req.images.len(), runs.len()));
+    }
+    for (k, (&(s, e), im)) in runs.iter().zip(&req.images).enumerate() {
+        if e - s != im.tokens {
+            return Err(format!("image {k}: {} image pads in the prompt for an image of {} tokens", e - s, im.tokens));
+        }
+    }
+    Ok(())
+}
+
+/// The prefix cache's key of `tokens`: their ids, each image pad run standing for its image (a value from its
+/// hash, with the top bit set: no token id), so that a snapshot after one image never serves a prompt with another.
+fn cache_key(tokens: &[u32], runs: &[(usize, usize)], images: &[Image]) -> Vec<u64> {
+    let mut key: Vec<u64> = tokens.iter().map(|&t| u64::from(t)).collect();
+    for (&(s, e), im) in runs.iter().zip(images) {
+        for k in key.iter_mut().take(e).skip(s) {
+            *k = (1 << 63) | (im.hash >> 1);
+        }
+    }
+    key
+}
+
 /// The seed of draw `n` of a request seeded `seed` (splitmix64 of the pair).
 fn draw_seed(seed: u64, n: usize) -> u64 {
     let mut z = seed ^ (n as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -1410,7 +1495,8 @@ struct PrefixCache {
 }
 
 struct Entry {
-    ids: Vec<u32>,
+    /// The tokens it has read ([`cache_key`]).
+    ids: Vec<u64>,
     seq: SeqId,
     bytes: usize,
     /// `clock` when it was inserted or last hit.
@@ -1423,7 +1509,7 @@ impl PrefixCache {
     }
 
     /// The longest snapshot whose tokens are a proper prefix of `prompt` (its sequence and length; fork it).
-    fn lookup(&mut self, prompt: &[u32]) -> Option<(SeqId, usize)> {
+    fn lookup(&mut self, prompt: &[u64]) -> Option<(SeqId, usize)> {
         let e = self
             .entries
             .iter_mut()
@@ -1436,7 +1522,7 @@ impl PrefixCache {
 
     /// Keep `seq` (which has read `ids`) as a snapshot, evicting others to stay within the byte bound; the cache
     /// owns it from now on (frees it when evicted or when it does not fit).
-    fn insert(&mut self, backend: &dyn Backend, ids: Vec<u32>, seq: SeqId) {
+    fn insert(&mut self, backend: &dyn Backend, ids: Vec<u64>, seq: SeqId) {
         let bytes = backend.state_bytes(seq);
         if ids.is_empty() || bytes > self.capacity || backend.len(seq) != Some(ids.len()) {
             backend.free(seq);
@@ -1496,30 +1582,76 @@ mod tests {
     fn prefix_cache_evicts_least_prefill_per_byte_within_its_bound() {
         let b = ScriptedBackend::new(100, vec![1]);
         // Scripted state bytes: 64 + 4 per token. Room for about 3 entries of ~10 tokens.
+        let key = |ids: &[u32]| cache_key(ids, &[], &[]);
         let mut c = PrefixCache::new(3 * (64 + 40) + 10);
         let long: Vec<u32> = (0..12).collect();
         let s = seq_of(&b, &long);
-        c.insert(&b, long.clone(), s);
+        c.insert(&b, key(&long), s);
         for k in 0..3u32 {
             let ids: Vec<u32> = (0..4).map(|i| 50 + 10 * k + i).collect();
             let s = seq_of(&b, &ids);
-            c.insert(&b, ids, s);
+            c.insert(&b, key(&ids), s);
             assert!(c.bytes <= c.capacity, "{} > {}", c.bytes, c.capacity);
         }
         // Four entries did not fit: the oldest short one (fewest tokens per byte, least recent) went first.
         assert_eq!(c.entries.len(), 3);
-        assert!(c.entries.iter().any(|e| e.ids == long), "the long entry saves the most per byte");
+        assert!(c.entries.iter().any(|e| e.ids == key(&long)), "the long entry saves the most per byte");
         assert!(c.entries.iter().all(|e| e.ids[0] != 50), "the oldest short entry is evicted first");
         assert_eq!(c.lookup(&[50, 51, 52, 53, 54]), None);
         let hit: Vec<u32> = [&long[..], &[99]].concat();
-        assert_eq!(c.lookup(&hit).map(|h| h.1), Some(12));
+        assert_eq!(c.lookup(&key(&hit)).map(|h| h.1), Some(12));
         // Freed sequences are gone from the backend.
         assert_eq!(b.len(SeqId(2)), None);
         // An entry bigger than the bound is refused (and freed).
         let big: Vec<u32> = (0..100).collect();
         let s = seq_of(&b, &big);
-        c.insert(&b, big, s);
+        c.insert(&b, key(&big), s);
         assert!(c.bytes <= c.capacity && b.len(s).is_none());
+    }
+
+    /// Image pad runs stand for their image in the prefix cache's keys: the same image gives the same key, another
+    /// image (another hash) a key that shares only what comes before it; chunks never end inside a run.
+    #[test]
+    fn cache_keys_tell_images_apart_and_chunks_keep_images_whole() {
+        let im = |hash: u64| Image {
+            pixels: Arc::new(tern_model::vision::Pixels { values: vec![0.5; 4], grid: [1, 2, 2] }),
+            hash,
+            tokens: 3,
+        };
+        let prompt = [1u32, 2, 9, 9, 9, 3, 4];
+        let runs = pad_runs(&prompt, 9);
+        assert_eq!(runs, [(2, 5)]);
+        let (a, b) = (cache_key(&prompt, &runs, &[im(7)]), cache_key(&prompt, &runs, &[im(8)]));
+        assert_eq!(a, cache_key(&prompt, &runs, &[im(7)]));
+        assert_eq!(a[..2], b[..2]);
+        assert!(a[2..5] != b[2..5] && a[5..] == b[5..] && a[2] >> 63 == 1);
+        let mut c = PrefixCache::new(1 << 20);
+        let be = ScriptedBackend::new(100, vec![1]);
+        let s = seq_of(&be, &prompt[..5]);
+        c.insert(&be, a[..5].to_vec(), s);
+        assert_eq!(c.lookup(&a).map(|h| h.1), Some(5), "the same image hits");
+        assert_eq!(c.lookup(&b), None, "another image does not");
+        let req = Request { prompt: prompt.to_vec(), images: vec![im(7)], ..common_request() };
+        assert!(check_images(&req, Some(9)).is_ok());
+        assert!(check_images(&req, None).unwrap_err().contains("reads no images"));
+        let two = Request { images: vec![im(7), im(8)], ..req.clone() };
+        assert!(check_images(&two, Some(9)).unwrap_err().contains("2 images, but 1 runs"));
+        let short = Request { prompt: vec![1, 9, 9, 2], ..req };
+        assert!(check_images(&short, Some(9)).unwrap_err().contains("2 image pads in the prompt for an image of 3"));
+    }
+
+    fn common_request() -> Request {
+        Request {
+            prompt: vec![1],
+            sampling: SamplingParams::default(),
+            max_tokens: 1,
+            stop_strings: vec![],
+            stop_ids: vec![],
+            logprobs: None,
+            constraint: None,
+            min_tokens: 0,
+            images: vec![],
+        }
     }
 
     /// A mask job of a request that has ended is skipped (its slots get an error), one of a live request computed;

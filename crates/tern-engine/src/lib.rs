@@ -8,8 +8,8 @@ pub mod engine;
 pub mod model;
 
 pub use backend::{
-    apply_mask, mask_allows, read_logits, sample_host, AllocError, Backend, CpuBackend, MaskResult, MaskSlot, Output,
-    Sample, Sampled, ScriptedBackend, SeqId, StateMemory, StepHook, TokenLogprob, Verify, Want, Work,
+    apply_mask, mask_allows, read_logits, sample_host, AllocError, Backend, CpuBackend, Image, MaskResult, MaskSlot,
+    Output, Sample, Sampled, ScriptedBackend, SeqId, StateMemory, StepHook, TokenLogprob, Verify, Want, Work,
 };
 pub use engine::{
     Constraint, Engine, EngineConfig, Event, Events, FinishReason, Request, Stats, SubmitError, TokenConstraint, Usage,

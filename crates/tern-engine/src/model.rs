@@ -18,6 +18,35 @@ pub struct Model {
     pub template: Arc<ChatTemplate>,
     pub sampling: SamplingParams,
     pub stop_ids: Vec<u32>,
+    /// How the backend reads images, when it does: `None` for a checkpoint without vision weights (or a backend
+    /// without the vision tower), whose server answers image parts with a 400. Set by the loader.
+    pub images: Option<ImageInput>,
+}
+
+/// What a server needs to turn an image into a prompt's image tokens for this model.
+#[derive(Clone, Debug)]
+pub struct ImageInput {
+    /// The image processor's patching, normalisation and pixel budget (`preprocessor_config.json`, with the
+    /// patch, merge and temporal sizes of the tower's `vision_config`).
+    pub params: tern_model::vision::ImageParams,
+    /// The pad token an image's tokens are written as in the prompt (`image_token_id`).
+    pub image_token_id: u32,
+}
+
+impl ImageInput {
+    /// For a tower of `config`, with the processor settings of `dir` (defaults where it has none).
+    pub fn new(dir: &Path, config: &tern_model::vision::VisionConfig) -> Result<ImageInput> {
+        let mut params = tern_model::vision::ImageParams::from_dir(dir)?;
+        params.patch_size = config.patch_size;
+        params.merge_size = config.spatial_merge_size;
+        params.temporal_patch_size = config.temporal_patch_size;
+        Ok(ImageInput { params, image_token_id: config.image_token_id })
+    }
+
+    /// Image tokens of preprocessed `pixels` ([`tern_model::vision::Pixels::tokens`] at the merge size).
+    pub fn tokens(&self, pixels: &tern_model::vision::Pixels) -> usize {
+        pixels.tokens(self.params.merge_size)
+    }
 }
 
 impl Model {
@@ -31,9 +60,12 @@ impl Model {
     /// checkpoint has one: [`Backend::max_drafts`] says).
     pub fn load_cpu_with(dir: &Path, speculative: bool) -> Result<Model> {
         let weights = tern_model::Weights::load_with(dir, tern_model::LoadOptions { quantize: true })?;
-        Model::with_backend(dir, Arc::new(CpuBackend::new(weights).speculative(speculative)))
+        let images = weights.vision.as_ref().map(|v| ImageInput::new(dir, &v.config)).transpose()?;
+        let model = Model::with_backend(dir, Arc::new(CpuBackend::new(weights).speculative(speculative)))?;
+        Ok(Model { images, ..model })
     }
 
+    /// A model over `backend`, which reads no images (set [`Model::images`] for one that does).
     pub fn with_backend(dir: &Path, backend: Arc<dyn Backend>) -> Result<Model> {
         let tokenizer =
             Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
@@ -57,6 +89,7 @@ impl Model {
             template: Arc::new(template),
             sampling,
             stop_ids,
+            images: None,
         })
     }
 }

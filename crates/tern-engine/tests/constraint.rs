@@ -86,6 +86,7 @@ fn request(max_tokens: usize, c: Option<Forced>) -> Request {
         logprobs: None,
         constraint: c.map(Constraint::new),
         min_tokens: 0,
+        images: Vec::new(),
     }
 }
 
@@ -306,6 +307,7 @@ fn json_schema_on_a_random_model() {
             logprobs: None,
             constraint: Some(Constraint::new(c)),
             min_tokens: 0,
+            images: Vec::new(),
         };
         let mut text = String::new();
         let mut finish = None;

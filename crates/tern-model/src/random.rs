@@ -59,6 +59,42 @@ pub(crate) fn official_tensors(c: &Config) -> Vec<(String, Vec<usize>, Init, boo
     t
 }
 
+/// The vision tower's tensors (`model.visual.*`, as [`crate::vision::Vision::load`] reads them), for
+/// [`write_random_vl_model`]: unit-gain linear layers, LayerNorm gains in 0.5..1.5 and small biases.
+fn vision_tensors(c: &crate::vision::VisionConfig) -> Vec<(String, Vec<usize>, Init, bool)> {
+    let (h, i, m) = (c.hidden_size, c.intermediate_size, c.hidden_size * c.spatial_merge_size.pow(2));
+    let mut t = Vec::new();
+    let mut add =
+        |name: String, shape: Vec<usize>, init: Init| t.push((format!("model.visual.{name}"), shape, init, false));
+    let bias = Init::Uniform(-0.1, 0.1);
+    let gain = Init::Uniform(0.5, 1.5);
+    let conv = vec![h, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size];
+    add("patch_embed.proj.weight".into(), conv, Init::Normal(1.0 / (c.patch_dim() as f32).sqrt()));
+    add("patch_embed.proj.bias".into(), vec![h], bias);
+    add("pos_embed.weight".into(), vec![c.num_position_embeddings, h], Init::Normal(0.5));
+    let affine = |add: &mut dyn FnMut(String, Vec<usize>, Init), name: String, rows: usize, cols: usize| {
+        let (shape, init) = lin(rows, cols);
+        add(format!("{name}.weight"), shape, init);
+        add(format!("{name}.bias"), vec![rows], bias);
+    };
+    for b in 0..c.depth {
+        let p = format!("blocks.{b}.");
+        for n in ["norm1", "norm2"] {
+            add(format!("{p}{n}.weight"), vec![h], gain);
+            add(format!("{p}{n}.bias"), vec![h], bias);
+        }
+        affine(&mut add, format!("{p}attn.qkv"), 3 * h, h);
+        affine(&mut add, format!("{p}attn.proj"), h, h);
+        affine(&mut add, format!("{p}mlp.linear_fc1"), i, h);
+        affine(&mut add, format!("{p}mlp.linear_fc2"), h, i);
+    }
+    add("merger.norm.weight".into(), vec![h], gain);
+    add("merger.norm.bias".into(), vec![h], bias);
+    affine(&mut add, "merger.linear_fc1".into(), m, m);
+    affine(&mut add, "merger.linear_fc2".into(), c.out_hidden_size, m);
+    t
+}
+
 /// A linear `[rows, cols]` at unit gain.
 fn lin(rows: usize, cols: usize) -> (Vec<usize>, Init) {
     (vec![rows, cols], Init::Normal(1.0 / (cols as f32).sqrt()))
@@ -153,6 +189,31 @@ pub fn write_random_model_with(
     tokenizer_from: Option<&Path>,
     mtp_accept: Option<MtpAccept>,
 ) -> Result<()> {
+    write_checkpoint(config_json, out, dtype, seed, tokenizer_from, mtp_accept, false)
+}
+
+/// [`write_random_model`] with the vision tower of the config's `vision_config` (`model.visual.*`, after the text
+/// model's tensors, so that those are the same as [`write_random_model`]'s for a seed): a random
+/// vision-language checkpoint. The tower's `out_hidden_size` must be the text model's hidden size.
+pub fn write_random_vl_model(
+    config_json: &Value,
+    out: &Path,
+    dtype: Dtype,
+    seed: u64,
+    tokenizer_from: Option<&Path>,
+) -> Result<()> {
+    write_checkpoint(config_json, out, dtype, seed, tokenizer_from, None, true)
+}
+
+fn write_checkpoint(
+    config_json: &Value,
+    out: &Path,
+    dtype: Dtype,
+    seed: u64,
+    tokenizer_from: Option<&Path>,
+    mtp_accept: Option<MtpAccept>,
+    vision: bool,
+) -> Result<()> {
     if !matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
         bail!("--dtype must be f32, f16 or bf16");
     }
@@ -174,7 +235,20 @@ pub fn write_random_model_with(
     }
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
 
-    let tensors = official_tensors(&c);
+    let mut tensors = official_tensors(&c);
+    if vision {
+        let Some(vc) = crate::vision::VisionConfig::from_json(config_json)? else {
+            bail!("a vision-language checkpoint needs a vision_config in its config");
+        };
+        if vc.out_hidden_size != c.hidden_size {
+            bail!(
+                "vision_config.out_hidden_size {} must be the text model's hidden_size {}",
+                vc.out_hidden_size,
+                c.hidden_size
+            );
+        }
+        tensors.extend(vision_tensors(&vc));
+    }
     let mut shards: Vec<Vec<usize>> = vec![vec![]];
     let mut size = 0;
     for (i, (_, shape, _, f32_always)) in tensors.iter().enumerate() {
@@ -838,5 +912,43 @@ mod tests {
         let mut want: Vec<(String, Vec<usize>)> = want.into_iter().map(|(n, s)| (n.to_owned(), s)).collect();
         want.sort();
         assert_eq!(got, want);
+    }
+}
+
+#[cfg(test)]
+mod vision_tests {
+    use super::*;
+
+    /// A random vision-language checkpoint loads with its tower, whose output has one row of the text model's
+    /// width per image token; its text tensors are those of the text-only checkpoint of the same seed.
+    #[test]
+    fn random_vl_model_loads_its_tower() {
+        let dir = crate::testutil::fixtures_dir().join("tiny-vl-a");
+        let cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        let tmp = std::env::temp_dir().join(format!("tern-random-vl-{}", std::process::id()));
+        let (vl, text) = (tmp.join("vl"), tmp.join("text"));
+        write_random_vl_model(&cfg, &vl, Dtype::BF16, 3, None).unwrap();
+        write_random_model(&cfg, &text, Dtype::BF16, 3, None).unwrap();
+        let w = crate::Weights::load(&vl).unwrap();
+        let v = w.vision.as_ref().expect("the tower is read");
+        let params = crate::vision::ImageParams::default();
+        let img = image::DynamicImage::ImageRgb8(image::RgbImage::from_fn(64, 96, |x, y| {
+            image::Rgb([x as u8 * 3, y as u8 * 2, 7])
+        }));
+        let pixels = crate::vision::preprocess_image(&img, &params).unwrap();
+        let rows = v.forward(&pixels.values, &[pixels.grid]).unwrap();
+        assert_eq!(rows.len(), pixels.tokens(2) * w.config.hidden_size);
+        assert!(rows.iter().all(|x| x.is_finite()) && rows.iter().any(|&x| x != 0.0));
+        assert!(crate::Weights::load(&text).unwrap().vision.is_none());
+        // The text tensors are the same bytes.
+        let a = crate::safetensors::Checkpoint::open(&vl).unwrap();
+        let b = crate::safetensors::Checkpoint::open(&text).unwrap();
+        let name = "model.language_model.embed_tokens.weight";
+        assert_eq!(a.require(name).unwrap().to_f32().unwrap(), b.require(name).unwrap().to_f32().unwrap());
+        // A tower whose output is not the text width is refused.
+        let mut bad = cfg.clone();
+        bad["vision_config"]["out_hidden_size"] = 48.into();
+        assert!(write_random_vl_model(&bad, &tmp.join("bad"), Dtype::BF16, 3, None).is_err());
+        let _ = std::fs::remove_dir_all(&tmp);
     }
 }

@@ -106,6 +106,55 @@ fn text_of(v: &Value, param: &str) -> Result<String, ApiError> {
     }
 }
 
+/// An `image` block as a chat `image_url` part: a `base64` source as a data: URL (its media type and bytes are
+/// checked where chat images are, [`crate::images`]); `url` and `file` sources are refused.
+fn image_part(blk: &Value, param: &str) -> Result<Value, ApiError> {
+    let src = blk.get("source").filter(|s| s.is_object());
+    let src = src.ok_or_else(|| invalid(param, "an image block needs a 'source' object"))?;
+    match src.get("type").and_then(Value::as_str) {
+        Some("base64") => {
+            let media = src.get("media_type").and_then(Value::as_str).unwrap_or_default();
+            let data = src.get("data").and_then(Value::as_str);
+            let data = data.ok_or_else(|| invalid(param, "a base64 image source needs a 'data' string"))?;
+            Ok(json!({"type": "image_url", "image_url": {"url": format!("data:{media};base64,{data}")}}))
+        }
+        Some("url") => Err(invalid(
+            param,
+            "image URLs are not fetched by this server; send the image as a base64 source              ({\"type\": \"base64\", \"media_type\": \"image/png\", \"data\": ...})",
+        )),
+        Some("file") => Err(invalid(param, "file sources are not supported (tern has no Files API); send base64")),
+        _ => Err(invalid(param, "an image source must be {\"type\": \"base64\", \"media_type\", \"data\"}")),
+    }
+}
+
+/// Chat content of text parts and image parts: the text joined when there is no image (as text-only content
+/// always was), else the list.
+fn chat_content(parts: Vec<Value>) -> Value {
+    if parts.iter().all(|p| p["type"] == "text") {
+        return Value::String(parts.iter().filter_map(|p| p["text"].as_str()).collect());
+    }
+    Value::Array(parts)
+}
+
+/// The content of a `tool_result`: a string, or a list of text and image blocks.
+fn tool_result_content(v: &Value, param: &str) -> Result<Vec<Value>, ApiError> {
+    match v {
+        Value::Array(blocks) => blocks
+            .iter()
+            .enumerate()
+            .map(|(j, b)| {
+                let at = format!("{param}.content.{j}");
+                match b.get("type").and_then(Value::as_str) {
+                    Some("text") => Ok(json!({"type": "text", "text": block_text(b, &at)?})),
+                    Some("image") => image_part(b, &at),
+                    _ => Err(invalid(param, "only text and image blocks are supported in a tool_result")),
+                }
+            })
+            .collect(),
+        v => Ok(vec![json!({"type": "text", "text": text_of(v, param)?})]),
+    }
+}
+
 /// The chat messages of an Anthropic request (system first).
 fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
     let mut out = Vec::new();
@@ -131,26 +180,29 @@ fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
         };
         match role {
             Some("user") => {
-                let mut text = String::new();
+                let mut parts = Vec::new();
                 for (j, blk) in blocks.iter().enumerate() {
+                    let at = format!("{param}.content.{j}");
                     match blk.get("type").and_then(Value::as_str) {
-                        Some("text") => text += block_text(blk, &format!("{param}.content.{j}"))?,
+                        Some("text") => parts.push(json!({"type": "text", "text": block_text(blk, &at)?})),
+                        Some("image") => parts.push(image_part(blk, &at)?),
                         Some("tool_result") => {
                             let id = blk.get("tool_use_id").and_then(Value::as_str).unwrap_or_default();
-                            let mut content = text_of(blk.get("content").unwrap_or(&Value::Null), &param)?;
+                            let mut content = tool_result_content(blk.get("content").unwrap_or(&Value::Null), &at)?;
                             if blk.get("is_error").and_then(Value::as_bool) == Some(true) {
-                                content = format!("Error: {content}");
+                                content.insert(0, json!({"type": "text", "text": "Error: "}));
                             }
-                            out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
+                            out.push(json!({"role": "tool", "tool_call_id": id, "content": chat_content(content)}));
                         }
-                        Some(t @ ("image" | "document" | "search_result")) => {
-                            return Err(invalid(&param, format!("'{t}' blocks are not supported (text only)")))
+                        Some(t @ ("document" | "search_result")) => {
+                            return Err(invalid(&param, format!("'{t}' blocks are not supported (text and images)")))
                         }
                         _ => return Err(invalid(&param, "unknown content block type")),
                     }
                 }
-                if !text.is_empty() || !blocks.iter().any(|b| b["type"] == "tool_result") {
-                    out.push(json!({"role": "user", "content": text}));
+                let content = chat_content(parts);
+                if content.as_str() != Some("") || !blocks.iter().any(|b| b["type"] == "tool_result") {
+                    out.push(json!({"role": "user", "content": content}));
                 }
             }
             Some("assistant") => {

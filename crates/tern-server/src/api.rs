@@ -8,6 +8,7 @@ use tern_engine::{EngineConfig, Request, SubmitError};
 use tern_text::{ChatOptions, Rendered, Reply, SamplingParams, Spec, TOOL_CALL_END_ID};
 
 use crate::grammar::{self, PendingConstraint};
+use crate::images::{self, ImageBytes};
 use crate::Ready;
 
 /// An OpenAI-style error response.
@@ -127,7 +128,9 @@ pub(crate) fn submit_error(e: SubmitError, cfg: &EngineConfig, prompt_param: &st
         SubmitError::TooLong { .. } => {
             ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid(prompt_param, msg) }
         }
-        SubmitError::EmptyPrompt | SubmitError::BadToken { .. } => ApiError::invalid(prompt_param, msg),
+        SubmitError::EmptyPrompt | SubmitError::BadToken { .. } | SubmitError::BadImages(_) => {
+            ApiError::invalid(prompt_param, msg)
+        }
     }
 }
 
@@ -385,7 +388,7 @@ pub(crate) fn chat_job(r: &Ready, b: &Body, extras: &ChatExtras) -> Result<Job, 
     if let Some(stop) = &extras.stop_strings {
         opts.stop_strings = stop.clone();
     }
-    let (rendered, chat, tools) = render_chat(r, b)?;
+    let (rendered, chat, tools, pictures) = render_chat(r, b)?;
     let mut stop_ids = r.stop_ids.clone();
     if let Some(Forced { parallel: false, forced: false, .. }) = &tools {
         // parallel_tool_calls false: the reply ends with the first call.
@@ -407,9 +410,17 @@ pub(crate) fn chat_job(r: &Ready, b: &Body, extras: &ChatExtras) -> Result<Job, 
     let needs = spec.is_some() || (chat.thinking && extras.reasoning_budget.is_some());
     let constraint = if needs { Some(constraint(r, spec.as_ref(), &reply)?) } else { None };
     opts.format = Format::Text;
-    let prompt = encode_chat(r, &rendered, Fit::Reply)?;
+    let prompt = encode_chat(r, &rendered, Fit::Reply, &pictures)?;
     let stop_ids = reply_stop_ids(r, &opts, stop_ids);
-    job(r, opts, vec![(prompt, String::new())], "messages", Some(chat), constraint, stop_ids)
+    let mut job = job(r, opts, vec![(prompt, String::new())], "messages", Some(chat), constraint, stop_ids)?;
+    // Decoded once the prompt is known to fit (the costly part), here on the preparation pool.
+    if let (Some(input), false) = (&r.images, pictures.is_empty()) {
+        let decoded = images::decode_all(&pictures, input, &r.image_limits)?;
+        for req in &mut job.requests {
+            req.images = decoded.clone();
+        }
+    }
+    Ok(job)
 }
 
 /// The ids that end a reply: without `ignore_eos` all of `stop_ids`, with it those that are not the model's
@@ -696,6 +707,7 @@ fn job(
                 logprobs: o.logprobs,
                 constraint: None, // compiled once the job is prepared (grammar::attach)
                 min_tokens: o.min_tokens,
+                images: Vec::new(),
             });
             echo.push(shown.clone());
         }
@@ -795,10 +807,18 @@ fn encode_rendered(r: &Ready, rendered: &Rendered, limit: usize) -> Result<Optio
     rendered.encode_within(&r.tokenizer, limit).map_err(|e| ApiError::internal(format!("tokenizer: {e}")))
 }
 
-/// [`encode_rendered`] after [`check_length`]; see [`Fit`].
-fn encode_chat(r: &Ready, rendered: &Rendered, fit: Fit) -> Result<Vec<u32>, ApiError> {
+/// [`encode_rendered`] after [`check_length`], with each image's placeholder written as its image tokens; see
+/// [`Fit`] (the images' tokens count against it).
+fn encode_chat(r: &Ready, rendered: &Rendered, fit: Fit, pictures: &[ImageBytes]) -> Result<Vec<u32>, ApiError> {
     check_length(r, &rendered.text(), "messages")?;
-    encode_rendered(r, rendered, fit.limit(r))?.ok_or_else(|| no_room(r, "messages"))
+    let Some(input) = r.images.as_ref().filter(|_| !pictures.is_empty()) else {
+        return encode_rendered(r, rendered, fit.limit(r))?.ok_or_else(|| no_room(r, "messages"));
+    };
+    // Each image's placeholder becomes its tokens: the text may take what they leave.
+    let extra = pictures.iter().fold(0usize, |n, p| n.saturating_add(p.tokens.saturating_sub(1)));
+    let limit = fit.limit(r).checked_sub(extra).ok_or_else(|| no_room(r, "messages"))?;
+    let ids = encode_rendered(r, rendered, limit)?.ok_or_else(|| no_room(r, "messages"))?;
+    images::expand(ids, input.image_token_id, pictures, "messages")
 }
 
 /// Tokenise a prompt after [`check_length`]; see [`Fit`].
@@ -904,8 +924,8 @@ struct Forced {
 /// parameters. `parallel_tool_calls: false` allows one call. The third value says how calls are restricted.
 /// `continue_final_message` (vLLM's assistant prefill) leaves the last message open, with no generation prompt:
 /// the reply continues its text (as content, its think block being closed).
-fn render_chat(r: &Ready, b: &Body) -> Result<(Rendered, ChatOutput, Option<Forced>), ApiError> {
-    let messages = messages(b)?;
+fn render_chat(r: &Ready, b: &Body) -> Result<(Rendered, ChatOutput, Option<Forced>, Vec<ImageBytes>), ApiError> {
+    let (messages, pictures) = messages(r, b)?;
     let mut tools = tools(b)?;
     let names: Vec<String> = tools.iter().map(|t| t["function"]["name"].as_str().unwrap_or_default().into()).collect();
     let bad_choice = || {
@@ -980,17 +1000,22 @@ fn render_chat(r: &Ready, b: &Body) -> Result<(Rendered, ChatOutput, Option<Forc
         r.template.render_marked(&messages, &options).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
     let restricted =
         (!tools.is_empty() && (forced || !parallel)).then(|| Forced { tools: tools.clone(), parallel, forced });
-    Ok((rendered, ChatOutput { tools, thinking: thinking != Some(false) && !continue_final }, restricted))
+    let chat = ChatOutput { tools, thinking: thinking != Some(false) && !continue_final };
+    Ok((rendered, chat, restricted, pictures))
 }
 
-fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
+/// The messages, their content as the template reads it (text joined into a string; with images a list of text
+/// parts and `{"type": "image"}` placeholders), and the images' bytes in the order of the prompt.
+fn messages(r: &Ready, b: &Body) -> Result<(Vec<Value>, Vec<ImageBytes>), ApiError> {
     let Some(Value::Array(list)) = b.get("messages") else {
         return Err(ApiError::invalid("messages", "'messages' must be a non-empty list of messages"));
     };
     if list.is_empty() {
         return Err(ApiError::invalid("messages", "'messages' must be a non-empty list of messages"));
     }
-    list.iter()
+    let mut pictures = Vec::new();
+    let messages = list
+        .iter()
         .enumerate()
         .map(|(i, m)| {
             let param = format!("messages[{i}]");
@@ -1006,17 +1031,9 @@ fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
             };
             m.insert("role".into(), role.into());
             let content = match m.get("content") {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                        (Some("text"), Some(t)) => Ok(t),
-                        _ => {
-                            Err(ApiError::invalid(&format!("{param}.content"), "only text content parts are supported"))
-                        }
-                    })
-                    .collect::<Result<String, _>>()?,
+                None | Some(Value::Null) => Value::from(""),
+                Some(Value::String(s)) => Value::from(s.as_str()),
+                Some(Value::Array(parts)) => content_parts(r, parts, &format!("{param}.content"), &mut pictures)?,
                 Some(_) => {
                     return Err(ApiError::invalid(
                         &format!("{param}.content"),
@@ -1024,10 +1041,67 @@ fn messages(b: &Body) -> Result<Vec<Value>, ApiError> {
                     ))
                 }
             };
-            m.insert("content".into(), content.into());
+            m.insert("content".into(), content);
             Ok(Value::Object(m))
         })
-        .collect()
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    Ok((messages, pictures))
+}
+
+/// A message's list of parts (`text`, `image_url`) as the template reads it: the text joined into a string, or
+/// with images a list of text parts and `{"type": "image"}` placeholders (the template writes each as
+/// `<|vision_start|><|image_pad|><|vision_end|>`); the images' bytes are pushed to `pictures`, each measured
+/// against the limits.
+fn content_parts(r: &Ready, parts: &[Value], param: &str, pictures: &mut Vec<ImageBytes>) -> Result<Value, ApiError> {
+    let mut out = Vec::new();
+    for (j, p) in parts.iter().enumerate() {
+        let at = format!("{param}[{j}]");
+        match p.get("type").and_then(Value::as_str) {
+            Some("text") => {
+                let t = p.get("text").and_then(Value::as_str);
+                let t = t.ok_or_else(|| ApiError::invalid(&at, "a 'text' part needs a 'text' string"))?;
+                out.push(json!({"type": "text", "text": t}));
+            }
+            Some("image_url") => {
+                let input = r.images.as_ref().ok_or_else(|| images::unsupported(&at))?;
+                let limits = &r.image_limits;
+                let ordinal = pictures.len() + 1;
+                if ordinal > limits.max_images {
+                    return Err(ApiError {
+                        code: Some("too_many_images"),
+                        ..ApiError::invalid(
+                            &at,
+                            format!("at most {} images per request (--max-images)", limits.max_images),
+                        )
+                    });
+                }
+                let url = match p.get("image_url") {
+                    Some(Value::String(u)) => Some(u.as_str()),
+                    Some(Value::Object(o)) => o.get("url").and_then(Value::as_str),
+                    _ => None,
+                };
+                let url = url.ok_or_else(|| {
+                    ApiError::invalid(&at, "an 'image_url' part needs \"image_url\": {\"url\": \"data:...\"}")
+                })?;
+                let bytes = images::from_url(url, &at, ordinal, limits)?;
+                let tokens = images::probe(&bytes, input, limits, &at, ordinal)?;
+                pictures.push(ImageBytes { bytes, param: at, ordinal, tokens });
+                out.push(json!({"type": "image"}));
+            }
+            Some(t) => {
+                return Err(ApiError::invalid(
+                    &at,
+                    format!("'{}' content parts are not supported (text and image_url)", clip(t)),
+                ))
+            }
+            None => return Err(ApiError::invalid(&at, "a content part needs a 'type'")),
+        }
+    }
+    if out.iter().all(|p| p["type"] == "text") {
+        let text: String = out.iter().filter_map(|p| p["text"].as_str()).collect();
+        return Ok(Value::String(text));
+    }
+    Ok(Value::Array(out))
 }
 
 fn tools(b: &Body) -> Result<Vec<Value>, ApiError> {
@@ -1057,8 +1131,8 @@ fn tools(b: &Body) -> Result<Vec<Value>, ApiError> {
 /// to fit the context whatever its tokens is refused before tokenising, as a prompt is (/tokenize, count_tokens).
 pub(crate) fn tokenize(r: &Ready, b: &Body) -> Result<Vec<u32>, ApiError> {
     if b.get("messages").is_some() {
-        let (rendered, _, _) = render_chat(r, b)?;
-        return encode_chat(r, &rendered, Fit::Count);
+        let (rendered, _, _, pictures) = render_chat(r, b)?;
+        return encode_chat(r, &rendered, Fit::Count, &pictures);
     }
     let text = b.str("prompt")?.ok_or_else(|| ApiError::invalid("prompt", "'prompt' or 'messages' is required"))?;
     encode_prompt(r, text, "prompt", Fit::Count)

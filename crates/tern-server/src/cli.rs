@@ -101,6 +101,18 @@ pub struct Args {
     /// (/v1/completions reads them in its raw prompt either way.)
     #[arg(long)]
     pub allow_special_in_content: bool,
+    /// Images one request may hold, all messages together (0: none). Images come inline as base64 PNG or JPEG
+    /// (data: URLs, Anthropic base64 sources); tern fetches no image URL. Each image's tokens count against the
+    /// context (about one per 32 × 32 pixels after the processor's resize).
+    #[arg(long, default_value_t = crate::ImageLimits::default().max_images)]
+    pub max_images: usize,
+    /// Bytes of one image file, decoded from its base64 (the request body is also held to --max-body-bytes).
+    #[arg(long, default_value_t = crate::ImageLimits::default().max_bytes)]
+    pub max_image_bytes: usize,
+    /// Pixels (width × height) of one image as sent, read from its header before it is decoded (a guard against
+    /// decompression bombs: decoding takes 4 bytes a pixel and more).
+    #[arg(long, default_value_t = crate::ImageLimits::default().max_pixels)]
+    pub max_image_pixels: u64,
 }
 
 /// A number of seconds (fractions allowed) as a duration.
@@ -148,6 +160,11 @@ pub fn main(args: Args, load: impl FnOnce(&Load) -> Result<tern_engine::Model> +
         cors: args.cors.into_iter().map(|o| o.trim().to_owned()).filter(|o| !o.is_empty()).collect(),
         allowed_hosts: args.allowed_hosts.into_iter().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty()).collect(),
         allow_special_in_content: args.allow_special_in_content,
+        images: crate::ImageLimits {
+            max_images: args.max_images,
+            max_bytes: args.max_image_bytes,
+            max_pixels: args.max_image_pixels,
+        },
     };
     opts.check()?;
     let what = Load {

@@ -33,6 +33,7 @@ mod conn;
 mod generate;
 mod grammar;
 mod host;
+mod images;
 mod openai;
 mod page;
 mod prep;
@@ -61,6 +62,7 @@ use tokio::sync::watch;
 use tower_http::catch_panic::CatchPanicLayer;
 
 pub use api::ApiError;
+pub use images::ImageLimits;
 use reqlog::RequestInfo;
 
 /// How to serve.
@@ -108,6 +110,8 @@ pub struct ServeOptions {
     /// definitions as those tokens, as transformers' template and vLLM do (by default they are text; see
     /// tern-text's `ChatTemplate::render_marked`).
     pub allow_special_in_content: bool,
+    /// Bounds on the images of a request (count, bytes and pixels of each); each is a 400 naming it.
+    pub images: ImageLimits,
 }
 
 impl Default for ServeOptions {
@@ -133,6 +137,7 @@ impl Default for ServeOptions {
             cors: Vec::new(),
             allowed_hosts: Vec::new(),
             allow_special_in_content: false,
+            images: ImageLimits::default(),
         }
     }
 }
@@ -340,6 +345,10 @@ struct Ready {
     engine_backend: String,
     /// `--allow-special-in-content`: chat text is tokenized with its control tokens read as such.
     special_in_content: bool,
+    /// How the model reads images (`None`: it reads none, and image parts are a 400).
+    images: Option<tern_engine::model::ImageInput>,
+    /// The bounds on a request's images.
+    image_limits: ImageLimits,
 }
 
 impl Ready {
@@ -373,6 +382,8 @@ impl Ready {
             sampling: model.sampling,
             stop_ids: model.stop_ids,
             special_in_content: opts.allow_special_in_content,
+            images: model.images,
+            image_limits: opts.images,
         }
     }
 }

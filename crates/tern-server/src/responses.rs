@@ -45,25 +45,44 @@ fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid(param, message)
 }
 
-/// The text of message content: a string or a list of text parts.
-fn content_text(v: &Value, param: &str) -> Result<String, ApiError> {
-    match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => parts
-            .iter()
-            .enumerate()
-            .map(|(j, p)| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(t),
-                (Some(kind @ ("input_text" | "output_text" | "text")), None) => {
-                    let field = format!("{param}[{j}].text");
-                    Err(invalid(&field, format!("{field}: an '{kind}' part needs a 'text' string")))
+/// Message content as chat content: a string, or a list of text and `input_image` parts (the text joined when
+/// there is no image, else chat `text` and `image_url` parts; images are checked where chat images are,
+/// [`crate::images`]).
+fn content_text(v: &Value, param: &str) -> Result<Value, ApiError> {
+    let parts = match v {
+        Value::String(s) => return Ok(Value::String(s.clone())),
+        Value::Array(parts) => parts,
+        _ => return Err(invalid(param, "'content' must be a string or a list of parts")),
+    };
+    let mut out = Vec::with_capacity(parts.len());
+    for (j, p) in parts.iter().enumerate() {
+        let part = match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+            (Some("input_text" | "output_text" | "text"), Some(t)) => json!({"type": "text", "text": t}),
+            (Some(kind @ ("input_text" | "output_text" | "text")), None) => {
+                let field = format!("{param}[{j}].text");
+                return Err(invalid(&field, format!("{field}: an '{kind}' part needs a 'text' string")));
+            }
+            (Some("input_image"), _) => {
+                let field = format!("{param}[{j}]");
+                match (p.get("image_url").and_then(Value::as_str), p.get("file_id")) {
+                    (Some(url), _) => json!({"type": "image_url", "image_url": {"url": url}}),
+                    (None, Some(f)) if !f.is_null() => {
+                        return Err(invalid(&field, "input_image 'file_id' is not supported (tern has no Files API); send a data: URL as 'image_url'"));
+                    }
+                    _ => return Err(invalid(&field, "an 'input_image' part needs an 'image_url' (a data: URL)")),
                 }
-                (Some(t), _) => Err(invalid(param, format!("'{}' content is not supported (text only)", clip(t)))),
-                _ => Err(invalid(param, "a content part needs a 'type' and a 'text'")),
-            })
-            .collect(),
-        _ => Err(invalid(param, "'content' must be a string or a list of parts")),
+            }
+            (Some(t), _) => {
+                return Err(invalid(param, format!("'{}' content is not supported (text and input_image)", clip(t))))
+            }
+            _ => return Err(invalid(param, "a content part needs a 'type' and a 'text'")),
+        };
+        out.push(part);
     }
+    if out.iter().all(|p| p["type"] == "text") {
+        return Ok(Value::String(out.iter().filter_map(|p| p["text"].as_str()).collect()));
+    }
+    Ok(Value::Array(out))
 }
 
 /// The chat messages of `input` (and `instructions`).

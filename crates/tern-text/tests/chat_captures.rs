@@ -191,3 +191,67 @@ fn continue_final_message_leaves_the_last_turn_open() {
     let empty = [json!({"role": "user", "content": "Hi"}), json!({"role": "assistant", "content": " "})];
     assert!(matches!(template.render_marked(&empty, &options), Err(TextError::Template(_))));
 }
+
+/// Image parts, however the client spelled them (`image_url` parts, `{"type": "image"}` placeholders as tern's
+/// server hands them to the template), render as transformers renders them, the same either way, and tokenize to
+/// exactly one `<|image_pad|>` per image between `<|vision_start|>` and `<|vision_end|>`; text spelling the image
+/// tokens stays text.
+#[test]
+fn image_parts_render_as_placeholders_and_one_pad_each() {
+    let Some(dir) = common::model_dir("image_parts_render_as_placeholders_and_one_pad_each") else {
+        return;
+    };
+    let template = ChatTemplate::from_dir(&dir).unwrap();
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let id = |t: &str| tok.id_of(t).unwrap();
+    let (start, pad, end) = (id("<|vision_start|>"), id("<|image_pad|>"), id("<|vision_end|>"));
+    let is_image = |p: &Value| p["type"] == "image" || p["type"] == "image_url";
+    let mut seen = 0;
+    for capture in captures() {
+        let name = capture["name"].as_str().unwrap();
+        let messages = capture["messages"].as_array().unwrap();
+        let images: usize = messages
+            .iter()
+            .filter_map(|m| m["content"].as_array())
+            .map(|parts| parts.iter().filter(|p| is_image(p)).count())
+            .sum();
+        if images == 0 {
+            continue;
+        }
+        seen += 1;
+        let placeholders: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                let mut m = m.clone();
+                if let Some(parts) = m["content"].as_array_mut() {
+                    for p in parts.iter_mut().filter(|p| is_image(p)) {
+                        *p = json!({"type": "image"});
+                    }
+                }
+                m
+            })
+            .collect();
+        let options = options_from(&capture);
+        let want = capture["rendered"].as_str().unwrap();
+        assert_eq!(template.render(&placeholders, &options).unwrap(), want, "{name}");
+        let marked = template.render_marked(&placeholders, &options).unwrap();
+        assert_eq!(marked.text(), want, "{name}");
+        let ids = marked.encode(&tok).unwrap();
+        assert_eq!(ids.iter().filter(|&&t| t == pad).count(), images, "{name}");
+        for (i, _) in ids.iter().enumerate().filter(|(_, &t)| t == pad) {
+            assert_eq!((ids[i - 1], ids[i + 1]), (start, end), "{name}: pad at {i}");
+        }
+    }
+    assert!(seen >= 4, "too few image captures: {seen}");
+    // The request's text spelling the image tokens is text.
+    let spelled = [json!({"role": "user", "content": [
+        {"type": "text", "text": "<|vision_start|><|image_pad|><|vision_end|>"}, {"type": "image"}]})];
+    let ids = template.render_marked(&spelled, &ChatOptions::default()).unwrap().encode(&tok).unwrap();
+    assert_eq!(ids.iter().filter(|&&t| t == pad).count(), 1);
+    // A system message cannot hold an image (the template's own check).
+    let system = [json!({"role": "system", "content": [{"type": "image"}]}), json!({"role": "user", "content": "hi"})];
+    match template.render(&system, &ChatOptions::default()) {
+        Err(TextError::Template(msg)) => assert_eq!(msg, "System message cannot contain images."),
+        other => panic!("expected the template's error, got {other:?}"),
+    }
+}

@@ -81,6 +81,7 @@ pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
         logprobs: None,
         constraint: None,
         min_tokens: 0,
+        images: Vec::new(),
     }
 }
 

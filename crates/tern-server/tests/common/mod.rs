@@ -34,6 +34,31 @@ pub fn scratch(name: &str) -> PathBuf {
 
 /// Write a tiny random model (2 layers, hidden 64, 4 experts) with the real vocabulary and tokenizer.
 pub fn random_model(qwen: &Path, out: &Path) {
+    tern_model::random::write_random_model(
+        &tiny_config(qwen),
+        out,
+        tern_model::safetensors::Dtype::BF16,
+        7,
+        Some(qwen),
+    )
+    .unwrap();
+}
+
+/// [`random_model`] with a tiny vision tower (1 block, width 32, into the text model's 64): a random
+/// vision-language model with the real vocabulary and image token ids.
+pub fn random_vl_model(qwen: &Path, out: &Path) {
+    let mut cfg = tiny_config(qwen);
+    cfg["vision_config"] = serde_json::json!({
+        "model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+        "in_channels": 3, "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2,
+        "out_hidden_size": 64, "num_position_embeddings": 36, "hidden_act": "gelu_pytorch_tanh",
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"}
+    });
+    tern_model::random::write_random_vl_model(&cfg, out, tern_model::safetensors::Dtype::BF16, 7, Some(qwen)).unwrap();
+}
+
+/// The real config with the text model shrunk to 2 layers of width 64 and 4 experts.
+fn tiny_config(qwen: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(qwen.join("config.json")).unwrap();
     let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
     let t = cfg.get_mut("text_config").unwrap().as_object_mut().unwrap();
@@ -56,7 +81,7 @@ pub fn random_model(qwen: &Path, out: &Path) {
     ] {
         t.insert(k.into(), v.into());
     }
-    tern_model::random::write_random_model(&cfg, out, tern_model::safetensors::Dtype::BF16, 7, Some(qwen)).unwrap();
+    cfg
 }
 
 /// An in-process server on a free loopback port, stopped (and drained) by [`Server::stop`].
