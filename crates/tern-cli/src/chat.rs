@@ -37,6 +37,9 @@ pub struct GenArgs {
     /// Context size in tokens.
     #[arg(long, default_value_t = 32768)]
     pub ctx_size: usize,
+    /// Speculative decoding: tokens the model's MTP block drafts a step (0: off; see `tern serve --help`).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=4))]
+    pub speculative: u64,
 }
 
 #[derive(clap::Args)]
@@ -71,9 +74,10 @@ impl Session {
             backend: args.backend.clone(),
             ctx: args.ctx_size,
             state: None,
-            speculative: 0,
+            speculative: args.speculative as usize,
         })?;
-        let cfg = EngineConfig { ctx_size: args.ctx_size, ..EngineConfig::default() };
+        let cfg =
+            EngineConfig { ctx_size: args.ctx_size, speculative: args.speculative as usize, ..EngineConfig::default() };
         let engine = Engine::start(model.backend.clone(), model.tokenizer.clone(), cfg);
         let thinking = !args.no_think;
         Ok(Session { model, engine, args, thinking })

@@ -39,6 +39,15 @@
 //!   or NaN, the lowest allowed id). A masked draw is never [`Sample::is_argmax`]: a device argmax over the raw
 //!   logits would ignore the mask. [`apply_mask`] is the host version; a GPU sampler uploads the words and does
 //!   the same on the device.
+//! * **Speculative decoding** (a backend whose [`Backend::max_drafts`] is not 0). A [`Want::Verify`] item's ids
+//!   are a token and the drafts after it (or a prompt's last chunk); its last `draws.len()` rows are drawn, each
+//!   with its own [`Sample`] (seed, history up to that row, mask), and row `j` checks the id after it
+//!   ([`draw_host`]: accepted with its probability, else a token drawn from the rest). Drawing stops at the first
+//!   rejected draft; the sequence then holds the ids up to the last accepted one, as if the rejected ones had never
+//!   been read, and the item returns the accepted drafts and the token drawn after them ([`Output::Drafted`]) with
+//!   `drafts` new drafts for the next step. A row's mask is read only when its row is drawn.
+//! * **Images.** [`Backend::set_images`] gives a sequence the images behind the image pad runs it reads next; an
+//!   item reads whole runs.
 //! * **Panics.** A step may panic (a bug). The engine catches it; every sequence in that step may then have lost
 //!   or half-updated state, so the engine frees them all and goes on with fresh sequences. A backend must stay
 //!   usable after a panicking step: no lock held across model code, nothing left poisoned ([`Slots`] does this
@@ -140,7 +149,7 @@ pub enum Want<'a> {
 }
 
 /// Draws over the last rows of an item, checking drafts, and the drafts of the next step (see the module's
-/// `# Speculative decoding`).
+/// contract, "Speculative decoding").
 pub struct Verify<'a> {
     /// One per drawn row: the last `draws.len()` rows of the item's ids (at least one, at most all of them).
     pub draws: Vec<Sample<'a>>,
@@ -619,7 +628,7 @@ pub fn check_item(w: &Work, vocab: usize, len: usize, reserved: usize) -> Result
 /// With speculative decoding on ([`CpuBackend::speculative`], a model with an MTP block), every sequence also
 /// keeps the MTP block's KV cache in step with what it has read: a step feeds the block the rows `(hidden_i,
 /// id_{i+1})` of the positions whose next id it now knows (the last position's hidden state waits for the next
-/// id, in [`Mtp::pending`]), so the block's cache always holds one row fewer than the sequence has read. Drafts
+/// id, in `Mtp::pending`), so the block's cache always holds one row fewer than the sequence has read. Drafts
 /// are chained from the block (its argmax, fed its own output) after the last drawn token, then those rows are
 /// dropped again. Rejected drafts leave nothing behind: the verify rows keep their Gated DeltaNet states
 /// ([`State::keep_rows`]) and the sequence goes back to the last accepted one ([`State::rewind`]) — a copy of the
@@ -773,6 +782,13 @@ impl CpuBackend {
         };
         for (j, e) in errs {
             done[j] = Err(anyhow!("the MTP block failed: {e}"));
+        }
+        // Text after an image sits at M-RoPE positions past the image's: the block's rows from here on too (the
+        // rows just fed that came after an image in the same call kept the positions before it).
+        for (_, seq) in taken.iter_mut() {
+            if let Some(m) = seq.mtp.as_mut() {
+                m.state.rope_delta = seq.main.rope_delta;
+            }
         }
         // Draft chains: (the last hidden state, the token drawn) → d1, (its output, d1) → d2, ...
         let mut chains: Vec<(usize, usize, Vec<f32>, u32, usize)> = Vec::new(); // (item, drafts, hidden, id, limit)

@@ -55,6 +55,18 @@
 //! [`EngineConfig::mask_wait_limit`] after the step reaches it fails, and a request whose masks have held steps
 //! [`EngineConfig::mask_stall_budget`] in all ends with an error that says its grammar is too expensive.
 
+//!
+//! # Speculative decoding
+//!
+//! With [`EngineConfig::speculative`] K (and a backend that drafts, [`Backend::max_drafts`]), a request's draws are
+//! [`crate::Verify`] items: the prompt's last chunk draws its first token and asks for K drafts; every decode then
+//! reads its token and those drafts and draws one row per draft plus one, each with the seed of its place in the
+//! reply, so the accepted drafts and the token after them arrive together (greedy: the ids of plain decoding;
+//! sampled: the model's distribution). Drafts are cut to the step budget and to what `max_tokens` and the context
+//! leave. Under a constraint, the mask worker computes the row after each draft on a copy of the constraint
+//! advanced over the drafts before it, and commits the accepted tokens to the real one after the step. A request
+//! whose drafts are accepted less than 20% of the time (`SPEC_FLOOR`) pauses drafting, ever longer.
+
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
@@ -100,7 +112,7 @@ pub struct EngineConfig {
     /// long in all (by every mask they waited for: several slow grammars together reach it sooner); 1 s.
     pub mask_stall_budget: Duration,
     /// Speculative decoding: drafts per step for every running request (the model's multi-token-prediction block
-    /// drafts them, one step verifies them; see `# Speculative decoding`); at most the backend's
+    /// drafts them, one step verifies them; see the module's `# Speculative decoding`); at most the backend's
     /// [`Backend::max_drafts`] (0 there: off whatever this says). 0 (the default): off.
     pub speculative: usize,
     /// One line on stderr per step: items, tokens, the backend's time, the time applying the results (prefix-cache
@@ -571,17 +583,20 @@ struct Spec {
     rate: f64,
     /// While drafting is paused (too few accepted): the generated length at which it resumes.
     paused_until: Option<usize>,
+    /// Pauses so far: each is twice as long as the one before (up to 16 times [`SPEC_PAUSE_TOKENS`]).
+    pauses: u32,
 }
 
 /// A request stops drafting when fewer than this fraction of its drafts are accepted on average (a verify row costs
 /// more than a plain step's share, so drafts that mostly fail make the stream slower), for
-/// [`SPEC_PAUSE_TOKENS`] tokens, then tries again.
+/// [`SPEC_PAUSE_TOKENS`] tokens, then tries again; each further pause is twice as long (at most 16 times), so a
+/// stream whose drafts never hold spends a vanishing share of its steps trying.
 const SPEC_FLOOR: f64 = 0.2;
 const SPEC_PAUSE_TOKENS: usize = 64;
 
 impl Spec {
     fn new(k: usize) -> Spec {
-        Spec { k, drafts: Vec::new(), rate: 0.5 * k as f64, paused_until: None }
+        Spec { k, drafts: Vec::new(), rate: 0.5 * k as f64, paused_until: None, pauses: 0 }
     }
 
     /// Drafts to ask the step after `generated` tokens for (0 while paused).
@@ -603,7 +618,8 @@ impl Spec {
         }
         self.rate += (accepted as f64 - self.rate) / 8.0;
         if self.rate < SPEC_FLOOR * self.k as f64 {
-            self.paused_until = Some(generated + SPEC_PAUSE_TOKENS);
+            self.paused_until = Some(generated + (SPEC_PAUSE_TOKENS << self.pauses.min(4)));
+            self.pauses += 1;
             self.drafts.clear();
         }
     }
@@ -1607,6 +1623,37 @@ mod tests {
         let s = seq_of(&b, &big);
         c.insert(&b, key(&big), s);
         assert!(c.bytes <= c.capacity && b.len(s).is_none());
+    }
+
+    /// Drafting pauses when drafts fail (after 7 verifies from the start), for 64 tokens, then 128, 256, ... 1,024;
+    /// drafts that hold keep it on.
+    #[test]
+    fn drafting_pauses_ever_longer_while_drafts_fail() {
+        let mut s = Spec::new(3);
+        let mut generated = 0;
+        let mut verifies = Vec::new();
+        for pause in 0..6 {
+            let mut n = 0;
+            while s.ask(generated) > 0 {
+                s.record(3, 0, generated);
+                n += 1;
+                if s.paused_until.is_some() {
+                    break;
+                }
+                generated += 1;
+            }
+            verifies.push(n);
+            let until = s.paused_until.unwrap();
+            assert_eq!(until - generated, 64 << pause.min(4), "pause {pause}");
+            assert_eq!(s.ask(until - 1), 0);
+            generated = until;
+        }
+        assert_eq!(verifies, [7, 7, 7, 7, 7, 7]);
+        let mut good = Spec::new(3);
+        for g in 0..1000 {
+            assert_eq!(good.ask(g), 3);
+            good.record(3, 1, g); // one of three accepted: a third, over the floor
+        }
     }
 
     /// Image pad runs stand for their image in the prefix cache's keys: the same image gives the same key, another
