@@ -4,19 +4,13 @@
 // chat, and fits a phone's width. Usage: node page.mjs http://HOST:PORT API_KEY [SCREENSHOT_DIR]
 // Run by crates/tern-server/tests/page.rs; exits non-zero with a message on the first failure.
 
-import { chromium } from "playwright-core";
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { check, serverReady, until, withBrowser } from "./lib.mjs";
 
 const [root, key, shots] = process.argv.slice(2);
 if (!root || !key) {
   console.error("usage: node page.mjs ROOT API_KEY [SCREENSHOT_DIR]");
   process.exit(2);
-}
-
-function check(cond, what) {
-  if (!cond) throw new Error("check failed: " + what);
 }
 
 async function metric(name) {
@@ -25,35 +19,8 @@ async function metric(name) {
   return Number(line.split(" ")[1]);
 }
 
-async function until(what, fn, ms = 30000) {
-  const t0 = Date.now();
-  for (;;) {
-    const v = await fn();
-    if (v) return v;
-    if (Date.now() - t0 > ms) throw new Error("timed out waiting for " + what);
-    await new Promise((r) => setTimeout(r, 50));
-  }
-}
-
-await until("the server to be ready", async () => {
-  try {
-    return (await fetch(`${root}/health`)).status === 200;
-  } catch {
-    return false;
-  }
-}, 120000);
-const profile = mkdtempSync(join(tmpdir(), "tern-page-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: "/usr/bin/chromium",
-  headless: true,
-  chromiumSandbox: false,
-  args: ["--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"],
-  viewport: { width: 1100, height: 800 },
-});
-const t0 = Date.now();
-let failed = false;
-try {
+await serverReady(root);
+await withBrowser("page.mjs", async (context) => {
   const page = context.pages()[0] || (await context.newPage());
   const external = [];
   page.on("request", (req) => { if (!req.url().startsWith(root)) external.push(req.url()); });
@@ -156,12 +123,4 @@ try {
 
   check(external.length === 0, `requests left the server: ${external}`);
   check(errors.length === 0, `page errors: ${errors}`);
-  console.log(`page.mjs: ok (${((Date.now() - t0) / 1000).toFixed(1)} s)`);
-} catch (e) {
-  failed = true;
-  console.error(e.stack || String(e));
-} finally {
-  await context.close();
-  rmSync(profile, { recursive: true, force: true });
-}
-process.exit(failed ? 1 : 0);
+});

@@ -107,7 +107,8 @@ fn text_of(v: &Value, param: &str) -> Result<String, ApiError> {
 }
 
 /// An `image` block as a chat `image_url` part: a `base64` source as a data: URL (its media type and bytes are
-/// checked where chat images are, [`crate::images`]); `url` and `file` sources are refused.
+/// checked where chat images are, [`crate::images`]), a `url` source as its URL (fetched only with `--image-urls`,
+/// as chat image URLs are); `file` sources are refused.
 fn image_part(blk: &Value, param: &str) -> Result<Value, ApiError> {
     let src = blk.get("source").filter(|s| s.is_object());
     let src = src.ok_or_else(|| invalid(param, "an image block needs a 'source' object"))?;
@@ -118,10 +119,12 @@ fn image_part(blk: &Value, param: &str) -> Result<Value, ApiError> {
             let data = data.ok_or_else(|| invalid(param, "a base64 image source needs a 'data' string"))?;
             Ok(json!({"type": "image_url", "image_url": {"url": format!("data:{media};base64,{data}")}}))
         }
-        Some("url") => Err(invalid(
-            param,
-            "image URLs are not fetched by this server; send the image as a base64 source              ({\"type\": \"base64\", \"media_type\": \"image/png\", \"data\": ...})",
-        )),
+        // Fetched or refused as a chat image URL is (`--image-urls`).
+        Some("url") => {
+            let url = src.get("url").and_then(Value::as_str);
+            let url = url.ok_or_else(|| invalid(param, "a url image source needs a 'url' string"))?;
+            Ok(json!({"type": "image_url", "image_url": {"url": url}}))
+        }
         Some("file") => Err(invalid(param, "file sources are not supported (tern has no Files API); send base64")),
         _ => Err(invalid(param, "an image source must be {\"type\": \"base64\", \"media_type\", \"data\"}")),
     }

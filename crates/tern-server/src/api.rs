@@ -1014,6 +1014,8 @@ fn messages(r: &Ready, b: &Body) -> Result<(Vec<Value>, Vec<ImageBytes>), ApiErr
         return Err(ApiError::invalid("messages", "'messages' must be a non-empty list of messages"));
     }
     let mut pictures = Vec::new();
+    // When the request's image URLs must be fetched by (set by the first).
+    let mut fetch_by = None;
     let messages = list
         .iter()
         .enumerate()
@@ -1033,7 +1035,9 @@ fn messages(r: &Ready, b: &Body) -> Result<(Vec<Value>, Vec<ImageBytes>), ApiErr
             let content = match m.get("content") {
                 None | Some(Value::Null) => Value::from(""),
                 Some(Value::String(s)) => Value::from(s.as_str()),
-                Some(Value::Array(parts)) => content_parts(r, parts, &format!("{param}.content"), &mut pictures)?,
+                Some(Value::Array(parts)) => {
+                    content_parts(r, parts, &format!("{param}.content"), &mut pictures, &mut fetch_by)?
+                }
                 Some(_) => {
                     return Err(ApiError::invalid(
                         &format!("{param}.content"),
@@ -1051,8 +1055,14 @@ fn messages(r: &Ready, b: &Body) -> Result<(Vec<Value>, Vec<ImageBytes>), ApiErr
 /// A message's list of parts (`text`, `image_url`) as the template reads it: the text joined into a string, or
 /// with images a list of text parts and `{"type": "image"}` placeholders (the template writes each as
 /// `<|vision_start|><|image_pad|><|vision_end|>`); the images' bytes are pushed to `pictures`, each measured
-/// against the limits.
-fn content_parts(r: &Ready, parts: &[Value], param: &str, pictures: &mut Vec<ImageBytes>) -> Result<Value, ApiError> {
+/// against the limits (http(s) URLs fetched by `fetch_by`, see [`images::from_url`]).
+fn content_parts(
+    r: &Ready,
+    parts: &[Value],
+    param: &str,
+    pictures: &mut Vec<ImageBytes>,
+    fetch_by: &mut Option<std::time::Instant>,
+) -> Result<Value, ApiError> {
     let mut out = Vec::new();
     for (j, p) in parts.iter().enumerate() {
         let at = format!("{param}[{j}]");
@@ -1083,7 +1093,7 @@ fn content_parts(r: &Ready, parts: &[Value], param: &str, pictures: &mut Vec<Ima
                 let url = url.ok_or_else(|| {
                     ApiError::invalid(&at, "an 'image_url' part needs \"image_url\": {\"url\": \"data:...\"}")
                 })?;
-                let bytes = images::from_url(url, &at, ordinal, limits)?;
+                let bytes = images::from_url(url, &at, ordinal, limits, fetch_by)?;
                 let tokens = images::probe(&bytes, input, limits, &at, ordinal)?;
                 pictures.push(ImageBytes { bytes, param: at, ordinal, tokens });
                 out.push(json!({"type": "image"}));

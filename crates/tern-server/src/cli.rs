@@ -102,8 +102,8 @@ pub struct Args {
     #[arg(long)]
     pub allow_special_in_content: bool,
     /// Images one request may hold, all messages together (0: none). Images come inline as base64 PNG or JPEG
-    /// (data: URLs, Anthropic base64 sources); tern fetches no image URL. Each image's tokens count against the
-    /// context (about one per 32 × 32 pixels after the processor's resize).
+    /// (data: URLs, Anthropic base64 sources), or as http(s) URLs with --image-urls. Each image's tokens count
+    /// against the context (about one per 32 × 32 pixels after the processor's resize).
     #[arg(long, default_value_t = crate::ImageLimits::default().max_images)]
     pub max_images: usize,
     /// Bytes of one image file, decoded from its base64 (the request body is also held to --max-body-bytes).
@@ -113,6 +113,19 @@ pub struct Args {
     /// decompression bombs: decoding takes 4 bytes a pixel and more).
     #[arg(long, default_value_t = crate::ImageLimits::default().max_pixels)]
     pub max_image_pixels: u64,
+    /// Fetch http(s) image URLs (off: they are a 400 asking for a data: URL). Only public addresses are reached:
+    /// every address of every host, redirects included, is checked, and private, loopback, link-local, multicast
+    /// and other special addresses are refused; at most 3 redirects, --max-image-bytes per image, and
+    /// --image-url-timeout for all of a request's fetches.
+    #[arg(long)]
+    pub image_urls: bool,
+    /// Seconds all the image URLs of one request may take to fetch (with --image-urls), lookups, redirects and
+    /// bodies included; the request holds a preparation slot meanwhile.
+    #[arg(long, value_parser = seconds, default_value = "5")]
+    pub image_url_timeout: Duration,
+    /// Addresses image URLs may reach although they are not public (tests only: a server on loopback).
+    #[arg(long, value_delimiter = ',', hide = true)]
+    pub image_url_allow_address: Vec<std::net::IpAddr>,
 }
 
 /// A number of seconds (fractions allowed) as a duration.
@@ -164,6 +177,12 @@ pub fn main(args: Args, load: impl FnOnce(&Load) -> Result<tern_engine::Model> +
             max_images: args.max_images,
             max_bytes: args.max_image_bytes,
             max_pixels: args.max_image_pixels,
+            fetch: crate::ImageFetch {
+                enabled: args.image_urls,
+                timeout: args.image_url_timeout,
+                allow_addresses: args.image_url_allow_address,
+                ..crate::ImageFetch::default()
+            },
         },
     };
     opts.check()?;
@@ -182,4 +201,29 @@ pub fn main(args: Args, load: impl FnOnce(&Load) -> Result<tern_engine::Model> +
     // Do not wait for blocking work still going (a model still loading, a prompt still tokenising).
     rt.shutdown_background();
     served
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: super::Args,
+    }
+
+    #[test]
+    fn image_url_flags() {
+        let off = Cli::try_parse_from(["tern"]).unwrap().serve;
+        assert!(!off.image_urls && off.image_url_allow_address.is_empty());
+        assert_eq!(off.image_url_timeout, std::time::Duration::from_secs(5));
+        let on = Cli::try_parse_from(["tern", "--image-urls", "--image-url-timeout", "2.5"]).unwrap().serve;
+        assert!(on.image_urls);
+        assert_eq!(on.image_url_timeout, std::time::Duration::from_millis(2500));
+        let allow = Cli::try_parse_from(["tern", "--image-url-allow-address", "127.0.0.1,::1"]).unwrap().serve;
+        assert_eq!(allow.image_url_allow_address.len(), 2);
+        assert!(Cli::try_parse_from(["tern", "--image-url-allow-address", "localhost"]).is_err());
+        assert!(Cli::try_parse_from(["tern", "--image-url-timeout", "-1"]).is_err());
+    }
 }

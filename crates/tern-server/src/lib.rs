@@ -62,7 +62,7 @@ use tokio::sync::watch;
 use tower_http::catch_panic::CatchPanicLayer;
 
 pub use api::ApiError;
-pub use images::ImageLimits;
+pub use images::{ImageFetch, ImageLimits};
 use reqlog::RequestInfo;
 
 /// How to serve.
@@ -110,7 +110,8 @@ pub struct ServeOptions {
     /// definitions as those tokens, as transformers' template and vLLM do (by default they are text; see
     /// tern-text's `ChatTemplate::render_marked`).
     pub allow_special_in_content: bool,
-    /// Bounds on the images of a request (count, bytes and pixels of each); each is a 400 naming it.
+    /// Bounds on the images of a request (count, bytes and pixels of each; each is a 400 naming it), and whether
+    /// http(s) image URLs are fetched (`images.fetch`, off by default).
     pub images: ImageLimits,
 }
 
@@ -190,6 +191,9 @@ impl ServeOptions {
             if o != "*" && (axum::http::HeaderValue::from_str(o).is_err() || !o.contains("://")) {
                 bail!("--cors: '{o}' is not an origin (scheme://host[:port], or * for any)");
             }
+        }
+        if self.images.fetch.enabled && self.images.fetch.timeout.is_zero() {
+            bail!("--image-url-timeout must be more than 0 seconds");
         }
         Ok(())
     }
@@ -383,7 +387,7 @@ impl Ready {
             stop_ids: model.stop_ids,
             special_in_content: opts.allow_special_in_content,
             images: model.images,
-            image_limits: opts.images,
+            image_limits: opts.images.clone(),
         }
     }
 }
