@@ -5,7 +5,9 @@
 # tokenizer.json read as it is, since transformers 5 re-splits Qwen3.6 prompts and miscounts them).
 # .whl/ is not in the repository: a fresh checkout rebuilds it from PyPI's sdist (`pip download --no-deps
 # --no-binary :all: vllm==0.9.2`, then benchmarks/{benchmark_serving,backend_request_func,benchmark_dataset,
-# benchmark_utils}.py into .whl/vllm_bench/) and makes the three changes above by hand.
+# benchmark_utils}.py into .whl/vllm_bench/) and makes the three changes above by hand (the last rebuild keeps them as
+# .whl/vllm_bench/tern.patch, with wheels of aiohttp and tokenizers in .whl/wheels/ that its ensure_deps.sh installs
+# offline where the device's python lacks them).
 # Device side, from the repo root after tools/cuda-check.sh, carry [".carry", ".whl"]:
 #   bash tools/serve-bench.sh "CONC:IN:OUT:PROMPTS ..."     e.g. "128:1024:128:512 64:1024:1024:256"
 # Serves the full-shape random q4 checkpoint on CUDA (as cuda-run.sh serve does), then runs one client process per
@@ -23,6 +25,7 @@ profiles=${1:?usage: serve-bench.sh \"CONC:IN:OUT:PROMPTS ...\"}
 mkdir -p "$OUT"
 work=$(mktemp -d)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+[ -f .whl/vllm_bench/ensure_deps.sh ] && PYTHON=$PYTHON bash .whl/vllm_bench/ensure_deps.sh
 # the binaries and the tokenizer come gzipped (tools/cuda-check.sh)
 for f in .carry/*.gz; do [ -e "$f" ] && gunzip -kf "$f"; done
 [ -f "$TOKENIZER/tokenizer.json" ] || gunzip -k "$TOKENIZER/tokenizer.json.gz"

@@ -530,8 +530,8 @@ pub fn preprocess(bytes: &[u8], params: &ImageParams) -> Result<Pixels> {
 }
 
 /// [`preprocess`] of a decoded image: RGB (alpha dropped, as PIL's `convert("RGB")`), resized with bicubic
-/// (Catmull-Rom, PIL's a = -0.5, horizontal pass first as PIL) to [`ImageParams::smart_resize`], rescaled,
-/// normalised, patched.
+/// (Catmull-Rom, PIL's a = -0.5; fast_image_resize, whose fixed-point taps round as PIL's do) to
+/// [`ImageParams::smart_resize`], rescaled, normalised, patched.
 pub fn preprocess_image(img: &image::DynamicImage, params: &ImageParams) -> Result<Pixels> {
     let rgb = img.to_rgb8();
     let (w0, h0) = rgb.dimensions();
@@ -540,19 +540,19 @@ pub fn preprocess_image(img: &image::DynamicImage, params: &ImageParams) -> Resu
     // at scale 1 is the identity), which keeps PIL's intermediate rounding and clipping. The order matters by up to
     // a few levels on noisy images: Pillow 13 (transformers' PIL backend) was measured to start with the vertical
     // pass when its kernel is the wider one, else with the horizontal one (exact on 76 of 79 random shapes; the
-    // rest within the intermediate rounding).
-    let cubic = image::imageops::FilterType::CatmullRom;
+    // rest within the intermediate rounding; measured with the `image` crate's kernel, whose f32 taps left 9 values
+    // of a large downscale two levels off where fast_image_resize's leave none).
     let (h, w) = (h as u32, w as u32);
     let taps = |from: u32, to: u32| (2.0 * (from as f64 / to as f64).max(1.0)).ceil() as u32 * 2 + 1;
     let rgb = if h != h0 && w != w0 && taps(h0, h) > taps(w0, w) {
-        let v = image::imageops::resize(&rgb, w0, h, cubic);
-        image::imageops::resize(&v, w, h, cubic)
+        let v = resample(&rgb, w0, h)?;
+        resample(&v, w, h)?
     } else {
-        let x = if w == w0 { rgb } else { image::imageops::resize(&rgb, w, h0, cubic) };
+        let x = if w == w0 { rgb } else { resample(&rgb, w, h0)? };
         if h == h0 {
             x
         } else {
-            image::imageops::resize(&x, w, h, cubic)
+            resample(&x, w, h)?
         }
     };
     let (h, w) = (h as usize, w as usize);
@@ -588,4 +588,15 @@ pub fn preprocess_image(img: &image::DynamicImage, params: &ImageParams) -> Resu
         }
     }
     Ok(Pixels { values, grid: [1, gh, gw] })
+}
+
+/// One Catmull-Rom resampling pass of an 8-bit RGB image (fast_image_resize: fixed-point weights, as PIL).
+fn resample(src: &image::RgbImage, w: u32, h: u32) -> Result<image::RgbImage> {
+    use fast_image_resize as fr;
+    let (w0, h0) = src.dimensions();
+    let from = fr::images::ImageRef::new(w0, h0, src.as_raw(), fr::PixelType::U8x3)?;
+    let mut to = fr::images::Image::new(w, h, fr::PixelType::U8x3);
+    let opts = fr::ResizeOptions::new().resize_alg(fr::ResizeAlg::Convolution(fr::FilterType::CatmullRom));
+    fr::Resizer::new().resize(&from, &mut to, &opts)?;
+    image::RgbImage::from_raw(w, h, to.into_vec()).context("image: resampled buffer of the wrong size")
 }

@@ -110,13 +110,10 @@ fn preprocessing_matches_the_image_processor() {
             let pv = vl.get("pixel_values").unwrap().to_f32().unwrap();
             assert!(bits_equal(&got.values, &pv[..n * dim]), "{name}: pixel_values differ from the processor's");
         } else {
-            // Within one 8-bit step where the filter decides, but for a few values of a large downscale: the `image`
-            // crate places its kernel in f32 (PIL in f64 with fixed-point weights), which moves some roundings of
-            // the 8-bit intermediate by one level, and the second pass can carry that to two.
-            let over = diffs.iter().filter(|&&d| d > 1).count();
-            println!("{name}: {over} values 2 or more steps off");
-            assert!(worst <= 2, "{name}: a pixel is {worst} 8-bit steps from the processor's");
-            assert!(over * 2000 <= diffs.len(), "{name}: {over} of {} values over one step off", diffs.len());
+            // Within one 8-bit step where the filter decides: fast_image_resize weights the taps in fixed point as
+            // PIL does, one pass at a time in PIL's order (the `image` crate's f32 kernel put 9 values of `big` two
+            // steps off).
+            assert!(worst <= 1, "{name}: a pixel is {worst} 8-bit steps from the processor's");
         }
     }
 }
