@@ -70,7 +70,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     match args.backend.as_str() {
         "cpu" if args.trace => bail!("--trace traces the CUDA decode step: give --backend cuda"),
-        "cuda" if args.speculative > 0 => bail!("--speculative: the CUDA backend has no verify pass yet (issue 38)"),
+        "cuda" if args.speculative > 0 => return spec_cuda(&args),
         "cpu" => {}
         "cuda" => {
             let max_ctx = args.ctx.iter().max().copied().unwrap_or(0) + 256;
@@ -206,6 +206,80 @@ fn run_once(b: &CpuBackend, prompt: &[u32], steps: usize) -> Result<(f64, f64)> 
     run
 }
 
+/// `--speculative K --backend cuda`: per context, plain greedy decoding through the backend's step (the batch-1
+/// graph) beside speculative decoding through the one-forward pass with its verify rows and the MTP block on the
+/// device (a second backend over the same weights), as the CPU rows report them.
+fn spec_cuda(args: &Args) -> Result<()> {
+    let k = args.speculative as usize;
+    let max_ctx = args.ctx.iter().max().copied().unwrap_or(0) + DECODE_STEPS + 2 * (k + 1) + 64;
+    let Some(m) = &args.model else {
+        bail!("--speculative needs --model: random weights have no MTP block that agrees with the model (write one with `tern random-model --mtp-accept`)")
+    };
+    let w = Weights::load_with(&resolve_model(m)?, LoadOptions { quantize: true })?;
+    if w.mtp.is_none() {
+        bail!("--speculative: {}", w.mtp_off_reason().unwrap_or_else(|| "the model has no MTP block".into()));
+    }
+    let opts = tern_cuda::seq::CudaOptions::with_context(max_ctx);
+    let be = tern_cuda::CudaBackend::new(&w, opts)?;
+    let spec_opts = tern_cuda::seq::CudaOptions { speculative: true, ..opts };
+    let drafting = tern_cuda::CudaSlots::new(tern_cuda::CudaBackend { model: be.model.clone(), opts: spec_opts });
+    let plain = tern_cuda::CudaSlots::new(be);
+    for &ctx in &args.ctx {
+        let prompt = prompt_ids(ctx, w.config.vocab_size);
+        greedy_once(&plain, &prompt, 1)?;
+        let runs = (0..args.repeats).map(|_| greedy_once(&plain, &prompt, DECODE_STEPS)).collect::<Result<Vec<_>>>()?;
+        let decode_s = median(runs.iter().map(|r| r.1).collect());
+        let decode_tps = DECODE_STEPS as f64 / decode_s;
+        spec_once(&drafting, &prompt, k, 8)?; // warm-up
+        let runs =
+            (0..args.repeats).map(|_| spec_once(&drafting, &prompt, k, DECODE_STEPS)).collect::<Result<Vec<_>>>()?;
+        let mut by_time: Vec<&Spec> = runs.iter().collect();
+        by_time.sort_by(|a, b| a.secs.total_cmp(&b.secs));
+        let r = by_time[runs.len() / 2];
+        let (tps, per_step) = (r.tokens as f64 / r.secs, r.tokens as f64 / r.steps as f64);
+        let accept: Vec<String> =
+            r.accepted.iter().zip(&r.checked).map(|(a, c)| format!("{:.2}", *a as f64 / (*c).max(1) as f64)).collect();
+        println!(
+            "ctx {ctx:>6}: plain decode {decode_tps:>7.1} tok/s ({:.3} ms a step) | speculative, {k} drafts: {per_step:.2} \
+             tokens a step (acceptance by position {}) | verify step {:.3} ms | {tps:>7.1} tok/s = {:.2}x plain",
+            1e3 * decode_s / DECODE_STEPS as f64,
+            accept.join(" / "),
+            1e3 * r.secs / r.steps as f64,
+            tps / decode_tps
+        );
+    }
+    Ok(())
+}
+
+/// One greedy run through the backend's step with device argmax draws (batch 1): (seconds to the first token,
+/// seconds for `steps` decode steps).
+fn greedy_once(b: &dyn Backend, prompt: &[u32], steps: usize) -> Result<(f64, f64)> {
+    let seq = b.alloc(prompt.len() + steps + 1)?;
+    let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+    let limit = b.vocab_size();
+    let draw = |ids: &[u32]| -> Result<u32> {
+        let s = Sample { params: &greedy, seed: 0, history: &[], top_logprobs: None, limit, mask: None };
+        match b.step(&[Work { seq, ids, out: Want::Sample(s) }]).pop() {
+            Some(Ok(Output::Token(t))) => Ok(t.token),
+            Some(Ok(o)) => bail!("the backend returned {o:?} for a draw"),
+            Some(Err(e)) => Err(e),
+            None => bail!("the backend returned no result"),
+        }
+    };
+    let t0 = Instant::now();
+    let run = (|| {
+        let mut next = draw(prompt)?;
+        let ttft = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        for _ in 0..steps {
+            next = draw(&[next])?;
+        }
+        Ok((ttft, t1.elapsed().as_secs_f64()))
+    })();
+    b.free(seq);
+    run
+}
+
 /// What one speculative run measured.
 struct Spec {
     /// Tokens produced, verify steps, and their seconds.
@@ -218,7 +292,7 @@ struct Spec {
 }
 
 /// One greedy run with `k` drafts a step through the backend's verify items (batch 1), until `tokens` tokens.
-fn spec_once(b: &CpuBackend, prompt: &[u32], k: usize, tokens: usize) -> Result<Spec> {
+fn spec_once(b: &dyn Backend, prompt: &[u32], k: usize, tokens: usize) -> Result<Spec> {
     let seq = b.alloc(prompt.len() + tokens + k + 1)?;
     let run = (|| {
         let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };

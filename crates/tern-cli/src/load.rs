@@ -32,8 +32,11 @@ pub fn load_model(what: &Load) -> Result<Model> {
     let model = if use_cuda {
         // Quantised on load exactly as Model::load_cpu does; the kernels take 4-bit (and 8-bit) weights only.
         let w = Weights::load_with(&dir, LoadOptions { quantize: true })?;
-        let opts =
-            tern_cuda::seq::CudaOptions { state_memory: state, ..tern_cuda::seq::CudaOptions::with_context(ctx) };
+        let opts = tern_cuda::seq::CudaOptions {
+            state_memory: state,
+            speculative: speculative > 0,
+            ..tern_cuda::seq::CudaOptions::with_context(ctx)
+        };
         let t0 = std::time::Instant::now();
         let tty = std::io::stderr().is_terminal();
         let mut shown = usize::MAX;
@@ -62,8 +65,9 @@ pub fn load_model(what: &Load) -> Result<Model> {
             derived / 1e9
         );
         eprintln!("tern: {}", capacity_line(&be, ctx));
-        if speculative > 0 {
-            eprintln!("tern: speculative decoding is off: the cuda backend has no verify pass yet");
+        if speculative > 0 && w.mtp.is_none() {
+            let why = w.mtp_off_reason().unwrap_or_else(|| "the model has no MTP block".into());
+            eprintln!("tern: speculative decoding is off: {why}");
         }
         Model::with_backend(&dir, Arc::new(tern_cuda::CudaSlots::new(be)))?
     } else {

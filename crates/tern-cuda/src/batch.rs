@@ -1,53 +1,26 @@
-//! Batched decode: one token for each of up to [`MAX_SEQS`] sequences in one pass of kernels per layer, so that
-//! every weight is read once per step for all of them instead of once per sequence.
-//!
-//! The token-independent work runs over the B rows with the streamed few-token kernels of moe_seqs.cu (each weight
-//! byte read once from DRAM and applied to every row that needs it, on tensor cores): `dense_seqs` for the dense
-//! projections and the lm_head, the router, and the experts over the few tokens each gets; the per-sequence work runs
-//! in one launch
-//! for all rows with the decode kernels' `_seqs` variants (crates/tern-kernels/cuda/{gdn,attention}.cu), which
-//! take each row's recurrent state, conv ring and K/V cache from pointer tables and its position from a device
-//! array the host uploads before the step:
-//! - GDN: rmsnorm_rows → dense_seqs (in_proj) → gdn_step_seqs (conv, gates, delta rule, gated norm → bf16) →
-//!   dense_seqs (out_proj, + residual).
-//! - Attention: rmsnorm_rows → dense_seqs (q|gate, k, v) → attn_prep_seqs (norms, RoPE, K/V row at the position) →
-//!   attn_decode_kv_seqs (flash-decoding splits over keys 0..=pos) → attn_combine_seqs (+ output gate → bf16) →
-//!   dense_seqs (o_proj, + residual).
-//! - MoE: router and sort as the prefill (`prefill::moe_rows`), then the streamed expert kernels of moe_seqs.cu.
-//! - Then the final norm, the lm_head (dense_seqs) into `[B, vocab]` logits and one `sample_rows` launch for every
-//!   row's draw (crates/tern-cuda/src/sample.rs: greedy rows are temperature-0 draws below their limit).
-//!
-//! [`DeviceModel::prefill_seqs`] does the same for prompt chunks of several sequences: the projections and the MoE
-//! over all their rows at once, the prefill's GDN and attention kernels over all of them too (each row on its own
-//! sequence's state, through the pass tables), then
-//! the last rows' lm_head and draws; it leaves each sequence bit for bit as its own prefill would where both passes
-//! take the same router and expert kernels (both of at most `STREAM_MAX_TOKENS` rows, or both longer).
-//!
-//! Projection inputs are bf16 (the batch-1 decode graph keeps f32 activations), so a sequence's logits in a batch
-//! differ from its logits alone by bf16 rounding, as the prefill's do. The step leaves each sequence's length
-//! advanced by one and its device position counter stale ([`DeviceState::pos_stale`]: the batch-1 graph
-//! refreshes it before its next step).
+//! The launch wrappers of the few-row kernels a pass's decode rows take (crates/tern-kernels/cuda/{gdn,attention,
+//! moe_seqs}.cu): the decode kernels' `_seqs` variants, which take each row's recurrent state, conv ring and K/V
+//! cache from pointer tables and its position from a device array the host uploads before the pass (gdn_step_seqs:
+//! conv, gates, delta rule, gated norm → bf16; attn_prep_seqs, attn_decode_kv_seqs: flash-decoding splits over keys
+//! `0..=pos`, attn_combine_seqs), and the streamed few-token kernels (each weight byte read once from DRAM and
+//! applied to every row that needs it, on tensor cores): `dense_seqs` for the dense projections and the lm_head of a
+//! pass of at most [`STREAM_ROWS`] decode rows, `router_seqs`, the top-k and sort of a few rows in one launch, and
+//! the experts over the few tokens each gets. [`crate::forward`] decides which pass takes which.
 
-use anyhow::{bail, ensure, Context, Result};
-use std::collections::HashMap;
+use anyhow::{bail, ensure, Result};
 
-use cudarc::driver::{sys, CudaEvent, CudaGraph, CudaSlice, CudaView, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 
+use crate::gpu::SMEM_MAX;
 use crate::gpu::{cfg, Gpu};
 use crate::gpu::{Experts, QMat};
-use crate::model::{DMixer, DeviceModel};
-use crate::prefill::{
-    check_dense, log2_exact, moe_rows, pass_fits, prefill_layers, scratch_rows, tables, GdnDims, MoeExperts, MoeSorted,
-    PassTables, PrefillBuffers, Routes, SMEM_MAX,
-};
-use crate::sample::SampleBatch;
-use crate::seq::{DeviceState, Profile};
-use tern_engine::{Sample, Sampled, SamplingParams};
+use crate::prefill::{check_dense, log2_exact, GdnDims, MoeSorted, SegTable, STREAM_ROWS};
 
-/// The most sequences one batched step takes (a larger batch is split by the caller).
-pub const MAX_SEQS: usize = 64;
+/// The most sequences one forward pass takes (vLLM's default `max_num_seqs`): the pass tables, the decode rows'
+/// attention buffers and the logits rows are sized for it.
+pub const MAX_SEQS: usize = 256;
 /// The most flash-decoding splits per (sequence, kv head) in a batched step.
-const MAX_SPLIT: usize = 32;
+pub(crate) const MAX_SPLIT: usize = 32;
 /// Rows and tokens per block of router_seqs (RS_R, RS_TG in moe_seqs.cu).
 const RS_R: usize = 16;
 const RS_TG: usize = 4;
@@ -59,454 +32,25 @@ const MM_J: usize = 64;
 const MM_ROWS: usize = 128;
 const MM_TG: usize = 8;
 
-/// A batched step's expert choices, per layer (`[layer][n * k]`, rows in order; tests): appended to a log, or
-/// held to given ones (the weights from the step's own router logits, renormalised over them; a slow host path).
-pub enum StepRoutes<'a> {
-    Log(&'a mut [Vec<usize>]),
-    Hold(&'a [Vec<usize>]),
-}
-
-/// The token a batched step draws for one row.
-#[derive(Clone, Copy)]
-pub enum Draw<'a> {
-    /// None (the row is read for its state, or only its logits are wanted).
-    Nothing,
-    /// The argmax over ids below this limit (ids past it are embedding padding).
-    Argmax(usize),
-    /// A draw on the device ([`crate::sample`]): penalties, bias, the mask (waited for after the forward pass is
-    /// enqueued), temperature, top-k/p, min-p, logprobs.
-    Sample(&'a Sample<'a>),
-}
-
-/// What a batched step returns for one row.
-#[derive(Clone, Copy)]
-pub struct RowWant<'a> {
-    /// The whole logits row (as the forward pass left it, before any draw).
-    pub logits: bool,
-    pub draw: Draw<'a>,
-}
-
-/// One row's results.
-#[derive(Debug)]
-pub struct RowOut {
-    /// The drawn token, unless the row asked for none (or its own draw failed: a bad parameter, a mask that allows
-    /// nothing).
-    pub token: Option<Result<Sampled>>,
-    pub logits: Option<Vec<f32>>,
-}
-
-/// The batched step's own buffers (the activation rows are the prefill's [`crate::prefill::Scratch`], the pointer
-/// tables and positions its [`PassTables`]): attention queries and split partials, logits of [`MAX_SEQS`] rows.
-pub struct SeqScratch {
-    qbuf: CudaSlice<f32>,
-    part: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
-    /// The multi-sequence prefill's last hidden row of every sequence.
-    last: CudaSlice<f32>,
-    /// The batched pass captured as a CUDA graph, by (rows, attention splits, family left out): every address it
-    /// bakes in is one of these buffers, of the [`PassTables`] (allocated once; uploaded before each launch) or of
-    /// the pass's scratch rows, whose address at capture is `graph_x` (a reallocation clears them).
-    graphs: PassGraphs,
-    graph_x: u64,
-}
-
-/// Captured batched passes by (rows, attention splits, the kernel family left out: [`PrefillBuffers::omit`]).
-#[derive(Default)]
-struct PassGraphs(HashMap<(usize, usize, Option<String>), CudaGraph>);
-
-// SAFETY: the graphs live in the model's prefill buffers, behind its mutex: one thread at a time launches or drops
-// them (cudarc's CudaGraph holds raw handles, which are not Send by default; the context they belong to is).
-unsafe impl Send for PassGraphs {}
-
-impl SeqScratch {
-    pub fn new(m: &DeviceModel) -> Result<SeqScratch> {
-        let (g, c) = (&*m.gpu, &m.config);
-        let (nh, hd) = (c.num_attention_heads, c.head_dim);
-        let n = MAX_SEQS;
-        let alloc = || -> Result<SeqScratch> {
-            Ok(SeqScratch {
-                qbuf: g.zeros(n * nh * hd)?,
-                part: g.zeros(n * nh * MAX_SPLIT * (hd + 2))?,
-                logits: g.zeros(n * c.vocab_size)?,
-                last: g.zeros(n * c.hidden_size)?,
-                graphs: PassGraphs::default(),
-                graph_x: 0,
-            })
-        };
-        alloc().context("cannot allocate the batched decode buffers (out of device memory?)")
-    }
-
-    /// Device bytes these buffers hold.
-    pub fn bytes(&self) -> usize {
-        4 * (self.qbuf.len() + self.part.len() + self.logits.len() + self.last.len())
-    }
-}
-
-/// Flash-decoding splits for `n` rows whose longest context is `max_len` keys: as many blocks as fit the chip at
-/// once (rows × kv heads × splits ≤ 2 per SM, attn_decode_kv_seqs' occupancy; rounded up, B = 8 made 272 blocks
-/// for 264 places), at least 16 keys per split, at most [`MAX_SPLIT`].
-fn splits(g: &Gpu, n: usize, nkv: usize, max_len: usize) -> usize {
-    let fill = (2 * g.sms as usize) / (n * nkv);
-    fill.min(max_len.div_ceil(16)).clamp(1, MAX_SPLIT)
-}
-
-impl DeviceModel {
-    /// Read one token for each sequence (`ids[r]` into `seqs[r]`, distinct sequences) in one batched pass and draw
-    /// each row's token on the device as `want[r]` says (the chosen ids and asked-for logprobs cross to the host;
-    /// a logits row only when asked for). Input and shape checks come first and change nothing; a failed launch
-    /// leaves the sequences' states undefined; a row's own bad draw fails that row alone.
-    pub fn decode_seqs(&self, seqs: &mut [&mut DeviceState], ids: &[u32], want: &[RowWant]) -> Result<Vec<RowOut>> {
-        self.decode_seqs_profiled(seqs, ids, want, None, None)
-    }
-
-    /// [`DeviceModel::decode_seqs`]; with `prof`, every launch is bracketed by events and timed by kernel family;
-    /// with `routes`, every layer's routed experts of the rows are logged or held to given ones ([`StepRoutes`]).
-    pub fn decode_seqs_profiled(
-        &self,
-        seqs: &mut [&mut DeviceState],
-        ids: &[u32],
-        want: &[RowWant],
-        prof: Option<&mut Profile>,
-        routes: Option<StepRoutes>,
-    ) -> Result<Vec<RowOut>> {
-        let (g, c) = (&*self.gpu, &self.config);
-        let n = seqs.len();
-        ensure!(n > 0 && n <= MAX_SEQS, "a batched decode step takes 1..={MAX_SEQS} sequences, not {n}");
-        ensure!(
-            ids.len() == n && want.len() == n,
-            "decode_seqs: {n} sequences, {} ids, {} wants",
-            ids.len(),
-            want.len()
-        );
-        let vocab = c.vocab_size;
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            bail!("token id {bad} is outside the vocabulary (size {vocab})");
-        }
-        for s in seqs.iter() {
-            ensure!(s.len < s.room, "context full: the sequence has room for {} tokens (its reservation)", s.room);
-            ensure!(s.layers.len() == self.layers.len(), "a sequence of another model");
-        }
-        if let Some(r) = &routes {
-            let layers = match r {
-                StepRoutes::Log(v) => v.len(),
-                StepRoutes::Hold(v) => v.len(),
-            };
-            ensure!(layers == self.layers.len(), "decode_seqs: routes for {layers} layers, not {}", self.layers.len());
-        }
-        let nkv = c.num_key_value_heads;
-        let posv: Vec<i32> = seqs.iter().map(|s| s.len as i32).collect();
-        // the splits depend on the capacity, not the lengths, so that a captured pass serves any positions
-        let max_ctx = seqs.iter().map(|s| s.max_ctx).max().unwrap_or(1);
-        let ns = splits(g, n, nkv, max_ctx);
-
-        let mut guard =
-            self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, tables: tslot, graphs, omit } = &mut *guard;
-        let use_graph = *graphs && prof.is_none() && routes.is_none();
-        let sc = scratch_rows(scratch, self, n.max(*chunk))?;
-        if seq_scratch.is_none() {
-            *seq_scratch = Some(SeqScratch::new(self)?);
-        }
-        let sq = seq_scratch.as_mut().context("batched decode buffers")?;
-        let t = tables(tslot, self)?;
-        t.set_states(self, seqs.iter().map(|s| &**s))?;
-        g.stream.memcpy_htod(&posv, &mut t.posv.slice_mut(..n))?;
-
-        let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-        g.stream.memcpy_htod(&v, &mut sc.ids.slice_mut(..n))?;
-        let streamed = self.streamed_moe();
-        let pass = PassShape { n, ns, streamed };
-        let mut events: Vec<(&'static str, CudaEvent)> = Vec::new();
-        let mut graphed = false;
-        if use_graph {
-            // kernels only from here to the logits: one graph per shape, captured on first use; a capture that
-            // fails turns graphs off for good (the kernels then launch one by one: slower, same results)
-            match self.replay_pass(sc, sq, t, pass, omit.as_deref()) {
-                Ok(()) => graphed = true,
-                Err(e) => {
-                    *graphs = false;
-                    eprintln!("tern: capturing the batched decode pass failed ({e:#}); its kernels launch one by one");
-                }
-            }
-        }
-        if !graphed {
-            // profiling: an event before each kernel family's launch (the name is the family that follows)
-            let timed = prof.is_some();
-            let mut mark = |name: &'static str| -> Result<()> {
-                if timed {
-                    events.push((name, g.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?));
-                }
-                Ok(())
-            };
-            self.batched_pass(sc, sq, t, pass, routes, &mut mark)?;
-        }
-        let out = draw_rows(g, vocab, want, &mut sq.logits)?;
-        if prof.is_some() {
-            events.push(("", g.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?));
-        }
-        g.stream.synchronize()?;
-        if let Some(p) = prof {
-            for w in events.windows(2) {
-                let ((name, a), (_, b)) = (&w[0], &w[1]);
-                if !name.is_empty() {
-                    p.add(name, a.elapsed_ms(b)? as f64);
-                }
-            }
-        }
-        for s in seqs.iter_mut() {
-            s.len += 1;
-            s.pos_stale = true;
-        }
-        Ok(out)
-    }
-}
-
-/// What a batched pass's launches depend on besides the buffers' addresses: rows, attention splits, and whether the
-/// experts take the streamed kernels.
-#[derive(Clone, Copy)]
-struct PassShape {
-    n: usize,
-    ns: usize,
-    streamed: bool,
-}
-
-impl DeviceModel {
-    /// Launch the batched pass as the CUDA graph of its shape, capturing it first if there is none (graphs whose
-    /// scratch rows have moved are dropped).
-    fn replay_pass(
-        &self,
-        sc: &mut crate::prefill::Scratch,
-        sq: &mut SeqScratch,
-        t: &PassTables,
-        pass: PassShape,
-        omit: Option<&str>,
-    ) -> Result<()> {
-        let g = &*self.gpu;
-        let x = ptr(g, &sc.x);
-        if sq.graph_x != x {
-            sq.graphs.0.clear();
-            sq.graph_x = x;
-        }
-        let key = (pass.n, pass.ns, omit.map(str::to_string));
-        if !sq.graphs.0.contains_key(&key) {
-            let st = g.stream.clone();
-            st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            // a family left out: its launches (from its mark to the next) are not made
-            let mut mark = |name: &'static str| {
-                g.omit.store(omit == Some(name), std::sync::atomic::Ordering::Relaxed);
-                Ok(())
-            };
-            let r = self.batched_pass(sc, sq, t, pass, None, &mut mark);
-            g.omit.store(false, std::sync::atomic::Ordering::Relaxed);
-            let graph = st.end_capture(sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
-            r?;
-            sq.graphs.0.insert(key.clone(), graph?.context("empty graph of the batched pass")?);
-        }
-        sq.graphs.0.get(&key).context("the batched pass's graph")?.launch()?;
-        Ok(())
-    }
-
-    /// The batched pass's launches, from the ids in `sc.ids` to the logits in `sq.logits` (pointer tables and
-    /// positions already uploaded): kernels only, unless `routes` asks for a host round trip per layer, so that it
-    /// can be captured as a graph. `mark` names each kernel family before its launch (profiling); the lm_head is
-    /// the last family.
-    fn batched_pass(
-        &self,
-        sc: &mut crate::prefill::Scratch,
-        sq: &mut SeqScratch,
-        t: &PassTables,
-        PassShape { n, ns, streamed }: PassShape,
-        mut routes: Option<StepRoutes>,
-        mark: &mut dyn FnMut(&'static str) -> Result<()>,
-    ) -> Result<()> {
-        let (g, c) = (&*self.gpu, &self.config);
-        let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
-        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        mark("embed")?;
-        g.embed_rows_dev(&self.embed, &sc.ids, n, &mut sc.x)?;
-        for (li, l) in self.layers.iter().enumerate() {
-            let (ta, tb) = t.layer(li);
-            if li == 0 {
-                // later layers' input norms and the final norm go with the combine before them (moe_rows)
-                mark("rmsnorm")?;
-                g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
-            }
-            match &l.mixer {
-                DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
-                    let ldp = proj.rows;
-                    mark("gdn_in_proj (dense)")?;
-                    g.dense_seqs(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
-                    mark("gdn_step_seqs")?;
-                    let st = (&ta, &tb, &t.posv);
-                    g.gdn_step_seqs(&sc.proj, ldp, conv, a_log, dt_bias, st, n, norm, eps, d, &mut sc.xb)?;
-                    mark("gdn_out_proj (dense)")?;
-                    g.dense_seqs(out, &sc.xb, n, &mut sc.x, h, true)?;
-                }
-                DMixer::Attn { qkv, o, qn, kn } => {
-                    let ldp = qkv.rows;
-                    mark("attn_qkv (dense)")?;
-                    g.dense_seqs(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
-                    let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
-                    let kv = (&ta, &tb, &t.posv);
-                    mark("attn_seqs (prep+decode+combine)")?;
-                    g.attn_prep_seqs(&sc.proj, ldp, qn, kn, kv, n, dims, theta, eps, &mut sq.qbuf)?;
-                    g.attn_decode_seqs(&sq.qbuf, kv, n, (nh, nkv, hd), ns, &mut sq.part)?;
-                    g.attn_combine_seqs(&sq.part, &sc.proj, ldp, n, nh, hd, ns, &mut sc.xb)?;
-                    mark("attn_o_proj (dense)")?;
-                    g.dense_seqs(o, &sc.xb, n, &mut sc.x, h, true)?;
-                }
-            }
-            let how = match streamed {
-                true => MoeExperts::Streamed,
-                false => MoeExperts::Gemm,
-            };
-            let held = match routes.as_mut() {
-                Some(StepRoutes::Log(log)) => Some(Routes::Log(&mut log[li])),
-                Some(StepRoutes::Hold(held)) => Some(Routes::Hold(&held[li])),
-                None => None,
-            };
-            let next = self.layers.get(li + 1).map_or(&self.norm, |l| &l.in_norm);
-            moe_rows(self, li, sc, n, how, held, Some(next), mark)?;
-        }
-        mark("lm_head (dense) + sample")?;
-        g.lm_head_seqs(&self.lm_head, &sc.xb, n, &mut sq.logits, c.vocab_size, false)
-    }
-}
-
-impl DeviceModel {
-    /// Read a prompt chunk for each of up to [`MAX_SEQS`] sequences (`chunks[r]` into `seqs[r]`, distinct sequences,
-    /// at most the prefill chunk's tokens and chunks in all: [`crate::prefill::pass_fits`]) in one pass: the
-    /// projections, the router and the experts run once over every sequence's rows together, and so do the prefill's
-    /// GDN and attention kernels, each row (and chunk of 64) on its own sequence's state through the pass tables,
-    /// continuing from what it holds. Then each sequence's last row gives its logits and draw as `want[r]` says. Every row's arithmetic is that of the
-    /// one-sequence prefill ([`DeviceState::prefill`]) of as many rows as the pass, so the state left behind is the
-    /// same bit for bit as the sequence's own prefill where both take the same router and expert kernels (both passes
-    /// of at most [`crate::prefill::STREAM_MAX_TOKENS`] rows, or both longer; across that line the router's sums, the
-    /// experts' bf16-rounded GEMM weights and the dense GEMMs' K split differ by rounding). The last row's logits are
-    /// those of its all-positions lm_head GEMM. Input checks first; a failed launch leaves the sequences' states undefined.
-    pub fn prefill_seqs(
-        &self,
-        seqs: &mut [&mut DeviceState],
-        chunks: &[&[u32]],
-        want: &[RowWant],
-    ) -> Result<Vec<RowOut>> {
-        let (g, c) = (&*self.gpu, &self.config);
-        let n = seqs.len();
-        ensure!(n > 0 && n <= MAX_SEQS, "a multi-sequence prefill takes 1..={MAX_SEQS} sequences, not {n}");
-        ensure!(chunks.len() == n && want.len() == n, "prefill_seqs: {n} sequences, {} chunks", chunks.len());
-        let vocab = c.vocab_size;
-        for (s, ids) in seqs.iter().zip(chunks) {
-            ensure!(!ids.is_empty(), "prefill needs at least one token");
-            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-                bail!("token id {bad} is outside the vocabulary (size {vocab})");
-            }
-            ensure!(
-                s.len + ids.len() <= s.room,
-                "the prompt does not fit: {} tokens held + {} new > the sequence's room of {} tokens",
-                s.len,
-                ids.len(),
-                s.room
-            );
-            ensure!(s.layers.len() == self.layers.len(), "a sequence of another model");
-        }
-        let total: usize = chunks.iter().map(|c| c.len()).sum();
-        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-        let mut guard =
-            self.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        ensure!(
-            pass_fits(guard.chunk, chunks.iter().map(|c| c.len())),
-            "a multi-sequence prefill of {total} tokens in {n} sequences over the prefill chunk of {}",
-            guard.chunk
-        );
-        let PrefillBuffers { chunk, scratch, seqs: seq_scratch, tables: tslot, .. } = &mut *guard;
-        let sc = scratch_rows(scratch, self, *chunk)?;
-        if seq_scratch.is_none() {
-            *seq_scratch = Some(SeqScratch::new(self)?);
-        }
-        let sq = seq_scratch.as_mut().context("batched decode buffers")?;
-        let t = tables(tslot, self)?;
-        t.set_states(self, seqs.iter().map(|s| &**s))?;
-        let rows: Vec<(usize, usize)> = seqs.iter().zip(chunks).map(|(s, ids)| (ids.len(), s.len)).collect();
-        t.segs.set(g, &rows)?;
-        let all: Vec<u32> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
-        let starts: Vec<usize> = chunks.iter().scan(0, |r, c| Some(std::mem::replace(r, *r + c.len()))).collect();
-        g.embed_rows(&self.embed, &all, &mut sc.ids, &mut sc.x)?;
-        prefill_layers(self, sc, t, total, None, &mut |_| Ok(()))?;
-        for (r, k) in chunks.iter().map(|c| c.len()).enumerate() {
-            let last = starts[r] + k - 1;
-            g.stream.memcpy_dtod(&sc.x.slice(last * h..(last + 1) * h), &mut sq.last.slice_mut(r * h..(r + 1) * h))?;
-        }
-        g.rmsnorm_rows(&sq.last, n, &self.norm, eps, &mut sc.xb, None)?;
-        g.gemm_q4(&self.lm_head, &sc.xb, n, &mut sq.logits, vocab, false)?;
-        let out = draw_rows(g, vocab, want, &mut sq.logits)?;
-        g.stream.synchronize()?;
-        for (s, ids) in seqs.iter_mut().zip(chunks) {
-            s.len += ids.len();
-            s.pos_stale = true;
-        }
-        Ok(out)
-    }
-}
-
-/// The draws of `want.len()` rows of `logits` (`[rows, vocab]`, just written by the pass): while the pass runs, the
-/// draws' parameters (masks are waited for here), one row each (rows that draw nothing or fail to pack take a
-/// greedy draw, so that row r stays at index r); then the logits rows asked for, before the sampler overwrites
-/// them; then one `sample_rows` launch for every row.
-fn draw_rows(g: &Gpu, vocab: usize, want: &[RowWant], logits: &mut CudaSlice<f32>) -> Result<Vec<RowOut>> {
-    let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
-    let plain = |limit| Sample { params: &greedy, seed: 0, history: &[], top_logprobs: None, limit, mask: None };
-    let mut batch = SampleBatch::new(vocab)?;
-    let mut failed: Vec<Option<anyhow::Error>> = Vec::with_capacity(want.len());
-    for w in want {
-        let packed = match w.draw {
-            Draw::Nothing => batch.push(&plain(vocab), None),
-            Draw::Argmax(limit) => batch.push(&plain(limit), None),
-            Draw::Sample(s) => match s.mask.map(|m| m.wait()).transpose() {
-                Ok(mask) => batch.push(s, mask.flatten()),
-                Err(e) => Err(e),
-            },
-        };
-        failed.push(packed.err());
-        if failed.last().is_some_and(|f| f.is_some()) {
-            batch.push(&plain(vocab), None)?;
-        }
-    }
-    let mut out: Vec<RowOut> = Vec::with_capacity(want.len());
-    for (r, w) in want.iter().enumerate() {
-        let row = match w.logits {
-            true => Some(g.stream.clone_dtoh(&logits.slice(r * vocab..(r + 1) * vocab))?),
-            false => None,
-        };
-        out.push(RowOut { token: None, logits: row });
-    }
-    let outs = g.sample_download(logits, &batch)?;
-    for (r, ((w, o), f)) in want.iter().zip(batch.sampled(&outs)).zip(failed).enumerate() {
-        out[r].token = match (w.draw, f) {
-            (Draw::Nothing, _) => None,
-            (_, Some(e)) => Some(Err(e)),
-            (_, None) => Some(o),
-        };
-    }
-    Ok(out)
-}
-
 /// The per-row tables of a batched step's layer: the two state pointers of each row's sequence (GDN: conv ring,
 /// recurrent state; attention: K cache, V cache) and the rows' positions.
 pub type SeqTables<'a> = (&'a CudaView<'a, u64>, &'a CudaView<'a, u64>, &'a CudaSlice<i32>);
 
 /// A buffer's device address (for the pointer tables).
-fn ptr<T>(g: &Gpu, s: &CudaSlice<T>) -> u64 {
+pub(crate) fn ptr<T>(g: &Gpu, s: &CudaSlice<T>) -> u64 {
     s.device_ptr(&g.stream).0
 }
 
 impl Gpu {
-    /// [`Gpu::gdn_step`] for `n` sequences: row r's projections `proj[r]` (stride `ldp`), its conv ring and state
-    /// at `rings[r]` / `states[r]`, its position `posv[r]`; output bf16 rows of `hv * dv` into `out`.
+    /// [`Gpu::gdn_step`] for `n` sequences: row r's projections `proj[row0 + r]` (stride `ldp`), its conv ring and
+    /// state at `rings[r]` / `states[r]`, its position `posv[r]`; output bf16 rows of `hv * dv` into `out` from row
+    /// `row0` on (a pass's decode rows follow its prompt rows).
     #[allow(clippy::too_many_arguments)]
     pub fn gdn_step_seqs(
         &self,
         proj: &CudaSlice<f32>,
         ldp: usize,
+        row0: usize,
         conv_w: &CudaSlice<f32>,
         a_log: &CudaSlice<f32>,
         dt_bias: &CudaSlice<f32>,
@@ -521,9 +65,10 @@ impl Gpu {
         let vd = d.hv * d.dv;
         ensure!(d.dk <= 128 && d.dv <= 256 && d.dv % 4 == 0 && d.hv % d.hk == 0 && d.taps >= 1, "gdn_step_seqs: dims");
         ensure!(n > 0 && n <= 65535, "gdn_step_seqs: {n} rows");
-        ensure!(ldp >= conv_dim + vd + 2 * d.hv && proj.len() >= (n - 1) * ldp + ldp, "gdn_step_seqs: proj");
+        ensure!(ldp >= conv_dim + vd + 2 * d.hv && proj.len() >= (row0 + n) * ldp, "gdn_step_seqs: proj");
         ensure!(conv_w.len() == conv_dim * d.taps && a_log.len() >= d.hv && dt_bias.len() >= d.hv, "gdn_step_seqs");
-        ensure!(norm.len() >= d.dv && out.len() >= n * vd, "gdn_step_seqs: norm / out");
+        ensure!(norm.len() >= d.dv && out.len() >= (row0 + n) * vd, "gdn_step_seqs: norm / out");
+        let (proj, out) = (proj.slice(row0 * ldp..), out.slice(row0 * vd..));
         ensure!(rings.len() >= n && states.len() >= n && posv.len() >= n, "gdn_step_seqs: tables");
         // a head's value columns in blocks of 64 (whole 32-column chunks of the head, so that the chunk sums keep
         // gdn_step's order), or one block for a head of at most 64
@@ -535,26 +80,90 @@ impl Gpu {
         let v = [ldp, vd, d.hk, d.hv, d.dk, d.dv, d.taps, parts].map(|v| v as i32);
         let threads = 128 * dvp.div_ceil(32) as u32;
         let mut l = self.launcher(&self.f.gdn_step_seqs);
-        l.arg(proj).arg(&v[0]).arg(conv_w).arg(rings).arg(a_log).arg(dt_bias).arg(states).arg(&*out).arg(&v[1]);
+        l.arg(&proj).arg(&v[0]).arg(conv_w).arg(rings).arg(a_log).arg(dt_bias).arg(states).arg(&out).arg(&v[1]);
         l.arg(posv).arg(norm).arg(&eps).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&v[6]).arg(&v[7]);
         l.cluster = Some((parts as u32, 1, 1));
         // SAFETY: matches gdn_step_seqs in gdn.cu: grid (hv * parts, n) in clusters of the parts (<= 8) of a head,
         // 128 threads per 32 of a block's dvp <= 64 value columns (at most its 256), the block's columns of the
         // head's state in dynamic shared memory (dk * dvp floats, checked against the opt-in limit; dvp % 4 == 0 for
-        // its 16-byte copies), dk <= 128 (its q/k arrays); proj holds n rows of stride ldp, out n rows of hv*dv; the
+        // its 16-byte copies), dk <= 128 (its q/k arrays); proj holds n rows of stride ldp, out n rows of hv*dv (both from
+        // row0 on, checked); the
         // tables hold n pointers to whole rings ([taps, conv_dim] f32) and states ([hv, dk, dv] f32) of live
         // sequences (DeviceModel::decode_seqs builds them from the sequences' own buffers).
         unsafe { l.launch(cfg(((d.hv * parts) as u32, n as u32), threads, smem)) }?;
         Ok(())
     }
 
-    /// [`Gpu::attn_prep`] for `n` sequences: q → `qbuf` rows (f32, `nh * hd`), k/v → row `posv[r]` of the caches
-    /// at `kc[r]` / `vc[r]`.
+    /// A speculative verify's GDN rows: for each sequence `s` of `segs` (its rows `row0 + r0 ..` of `proj`, stride
+    /// `ldp`, from position `pos0`), the rows one after another as [`Gpu::gdn_step_seqs`] steps would take them, each
+    /// row's output (bf16, `hv * dv`) into `out`; the sequences' states and rings (`rings[s]` / `states[s]`) only
+    /// read. [`Gpu::gdn_commit_seqs`] then advances the state over the rows kept.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_verify_seqs(
+        &self,
+        proj: &CudaSlice<f32>,
+        ldp: usize,
+        row0: usize,
+        conv_w: &CudaSlice<f32>,
+        a_log: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        (rings, states): (&CudaView<u64>, &CudaView<u64>),
+        segs: &SegTable,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        d: GdnDims,
+        out: &mut CudaSlice<u16>,
+    ) -> Result<()> {
+        let vd = d.hv * d.dv;
+        let (parts, smem) = gdn_rows_check(d, ldp, proj.len(), row0, segs, rings, states, conv_w, a_log, dt_bias)?;
+        ensure!(norm.len() >= d.dv && out.len() >= (row0 + segs.rows()) * vd, "gdn_verify_seqs: norm / out");
+        let (proj, out) = (proj.slice(row0 * ldp..), out.slice(row0 * vd..));
+        let v = [ldp, vd, d.hk, d.hv, d.dk, d.dv, d.taps, parts].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.gdn_verify_seqs);
+        l.arg(&proj).arg(&v[0]).arg(conv_w).arg(rings).arg(a_log).arg(dt_bias).arg(states).arg(&out).arg(&v[1]);
+        l.arg(&segs.dev).arg(norm).arg(&eps).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&v[6]).arg(&v[7]);
+        l.cluster = Some((parts as u32, 1, 1));
+        // SAFETY: matches gdn_verify_seqs in gdn.cu, launched as gdn_step_seqs (grid (hv * parts, sequences) in
+        // clusters of a head's parts, 128 threads per 32 of dvp <= 64 columns, dk * dvp floats of shared memory,
+        // checked by gdn_rows_check); every segment's rows lie within proj and out (segs.rows() rows from row0,
+        // checked), the tables hold a ring and a state of this layer's shape for each of the segments' sequences.
+        unsafe { l.launch(cfg(((d.hv * parts) as u32, segs.n() as u32), 128 * (smem_cols(d, parts) as u32), smem)) }?;
+        Ok(())
+    }
+
+    /// After a verify: the state of each sequence of `segs` advanced over its rows (the kept ones, their projections
+    /// `proj` from row 0, stride `ldp`) and written back; the rings are left for [`Gpu::gdn_ring`] over the same rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_commit_seqs(
+        &self,
+        proj: &CudaView<f32>,
+        ldp: usize,
+        conv_w: &CudaSlice<f32>,
+        a_log: &CudaSlice<f32>,
+        dt_bias: &CudaSlice<f32>,
+        (rings, states): (&CudaView<u64>, &CudaView<u64>),
+        segs: &SegTable,
+        d: GdnDims,
+    ) -> Result<()> {
+        let (parts, smem) = gdn_rows_check(d, ldp, proj.len(), 0, segs, rings, states, conv_w, a_log, dt_bias)?;
+        let v = [ldp, d.hk, d.hv, d.dk, d.dv, d.taps, parts].map(|v| v as i32);
+        let mut l = self.launcher(&self.f.gdn_commit_seqs);
+        l.arg(proj).arg(&v[0]).arg(conv_w).arg(rings).arg(a_log).arg(dt_bias).arg(states).arg(&segs.dev);
+        l.arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&v[5]).arg(&v[6]);
+        l.cluster = Some((parts as u32, 1, 1));
+        // SAFETY: matches gdn_commit_seqs in gdn.cu, launched as gdn_verify_seqs (same checks) without output.
+        unsafe { l.launch(cfg(((d.hv * parts) as u32, segs.n() as u32), 128 * (smem_cols(d, parts) as u32), smem)) }?;
+        Ok(())
+    }
+
+    /// [`Gpu::attn_prep`] for `n` sequences (projections `proj[row0 + r]`): q → `qbuf` rows (f32, `nh * hd`), k/v →
+    /// row `posv[r]` of the caches at `kc[r]` / `vc[r]`.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_prep_seqs(
         &self,
         proj: &CudaSlice<f32>,
         ldp: usize,
+        row0: usize,
         qn: &CudaSlice<f32>,
         kn: &CudaSlice<f32>,
         (kc, vc, posv): SeqTables,
@@ -566,12 +175,16 @@ impl Gpu {
     ) -> Result<()> {
         ensure!(hd <= 256 && hd % 32 == 0 && rd <= hd && rd % 2 == 0 && nkv > 0, "attn_prep_seqs: dims");
         let rows = (2 * nh + 2 * nkv) * hd;
-        ensure!(n > 0 && n <= 65535 && ldp >= rows && proj.len() >= (n - 1) * ldp + rows, "attn_prep_seqs: proj");
+        ensure!(
+            n > 0 && n <= 65535 && ldp >= rows && proj.len() >= (row0 + n - 1) * ldp + rows,
+            "attn_prep_seqs: proj"
+        );
+        let proj = proj.slice(row0 * ldp..);
         ensure!(qn.len() >= hd && kn.len() >= hd && qbuf.len() >= n * nh * hd, "attn_prep_seqs: buffers");
         ensure!(kc.len() >= n && vc.len() >= n && posv.len() >= n, "attn_prep_seqs: tables");
         let v = [ldp, nh, nkv, hd, rd].map(|v| v as i32);
         let mut l = self.launcher(&self.f.attn_prep_seqs);
-        l.arg(proj).arg(&v[0]).arg(qn).arg(kn).arg(posv).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&theta);
+        l.arg(&proj).arg(&v[0]).arg(qn).arg(kn).arg(posv).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]).arg(&theta);
         l.arg(&eps).arg(&*qbuf).arg(kc).arg(vc);
         // SAFETY: matches attn_prep_seqs in attention.cu; grid (nh + nkv, n) of hd threads; the caches in the tables
         // belong to live sequences whose position posv[r] is below their capacity (decode_seqs checks len < room).
@@ -580,12 +193,14 @@ impl Gpu {
     }
 
     /// [`Gpu::attn_decode`] (the per-kv-head kernel) for `n` sequences over their keys `0..=posv[r]`: partials
-    /// `[n, nh, nsplit, hd + 2]`.
+    /// `[n, nh, nsplit, hd + 2]`. `freshv[r]`: the first position of row r's sequence this pass writes (`posv[r]`,
+    /// or for a verify row the segment's first): only older keys are read before the dependency wait.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_decode_seqs(
         &self,
         qbuf: &CudaSlice<f32>,
         (kc, vc, posv): SeqTables,
+        freshv: &CudaSlice<i32>,
         n: usize,
         (nh, nkv, hd): (usize, usize, usize),
         nsplit: usize,
@@ -597,26 +212,29 @@ impl Gpu {
             "attn_decode_seqs: {n} rows, {nsplit} splits"
         );
         ensure!(qbuf.len() >= n * nh * hd && part.len() >= n * nh * nsplit * (hd + 2), "attn_decode_seqs: buffers");
-        ensure!(kc.len() >= n && vc.len() >= n && posv.len() >= n, "attn_decode_seqs: tables");
+        ensure!(kc.len() >= n && vc.len() >= n && posv.len() >= n && freshv.len() >= n, "attn_decode_seqs: tables");
         let scale = 1.0 / (hd as f32).sqrt();
         let v = [nh, nkv, hd].map(|v| v as i32);
         let mut l = self.launcher(&self.f.attn_decode_kv_seqs);
-        l.arg(qbuf).arg(kc).arg(vc).arg(posv).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&scale).arg(&*part);
+        l.arg(qbuf).arg(kc).arg(vc).arg(posv).arg(freshv).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&scale).arg(&*part);
         let mut lc = cfg((nkv as u32, nsplit as u32), 128, 0);
         lc.grid_dim.2 = n as u32;
         // SAFETY: matches attn_decode_kv_seqs (4 warps, static smem) in attention.cu; group <= 8 and hd <= 256
-        // checked; keys 0..=posv[r] were written (attn_prep_seqs wrote row posv[r]; earlier rows by earlier steps).
+        // checked; keys 0..=posv[r] were written (attn_prep_seqs wrote rows freshv[r]..=posv[r], the host uploaded
+        // freshv[r] <= posv[r]; earlier rows by earlier steps).
         unsafe { l.launch(lc) }?;
         Ok(())
     }
 
-    /// [`Gpu::attn_combine`] for `n` sequences: bf16 rows of `nh * hd` (gate from `proj` rows of stride `ldp`).
+    /// [`Gpu::attn_combine`] for `n` sequences: bf16 rows of `nh * hd` into `out` from row `row0` on (gate from
+    /// `proj` rows `row0..` of stride `ldp`).
     #[allow(clippy::too_many_arguments)]
     pub fn attn_combine_seqs(
         &self,
         part: &CudaSlice<f32>,
         proj: &CudaSlice<f32>,
         ldp: usize,
+        row0: usize,
         n: usize,
         nh: usize,
         hd: usize,
@@ -624,11 +242,15 @@ impl Gpu {
         out: &mut CudaSlice<u16>,
     ) -> Result<()> {
         ensure!(nsplit <= 1024 && hd <= 1024 && (1..=65535).contains(&n), "attn_combine_seqs: dims");
-        ensure!(part.len() >= n * nh * nsplit * (hd + 2) && out.len() >= n * nh * hd, "attn_combine_seqs: buffers");
-        ensure!(ldp >= 2 * nh * hd && proj.len() >= (n - 1) * ldp + 2 * nh * hd, "attn_combine_seqs: proj");
+        ensure!(
+            part.len() >= n * nh * nsplit * (hd + 2) && out.len() >= (row0 + n) * nh * hd,
+            "attn_combine_seqs: buffers"
+        );
+        ensure!(ldp >= 2 * nh * hd && proj.len() >= (row0 + n - 1) * ldp + 2 * nh * hd, "attn_combine_seqs: proj");
+        let (proj, out) = (proj.slice(row0 * ldp..), out.slice(row0 * nh * hd..));
         let (ldpi, ns, hdi, ldo) = (ldp as i32, nsplit as i32, hd as i32, (nh * hd) as i32);
         let mut l = self.launcher(&self.f.attn_combine_seqs);
-        l.arg(part).arg(proj).arg(&ldpi).arg(&ns).arg(&hdi).arg(&*out).arg(&ldo);
+        l.arg(part).arg(&proj).arg(&ldpi).arg(&ns).arg(&hdi).arg(&out).arg(&ldo);
         // SAFETY: matches attn_combine_seqs in attention.cu; grid (nh, n) of 1024 threads (1024 / hd groups); shapes
         // checked above.
         unsafe { l.launch(cfg((nh as u32, n as u32), 1024, 0)) }?;
@@ -717,11 +339,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// The batched step's lm_head: [`Gpu::dense_seqs`] (above 16 rows its bulk-copy kernel in passes of 32 rows:
-    /// alone on the H200, 211.3 / 421.1 us at 32 / 64 rows), or with [`Gpu::dense_gemm`] set (`TERN_DENSE_GEMM=1`),
-    /// above 32 rows of a vocabulary-sized matrix the prefill's [`Gpu::gemm_q4`] (weights dequantised once per
-    /// 128-token tile, rounded to bf16: 452.4 us at 64), which was the default while dense_seqs' 8-row tiles
-    /// dequantised every weight n / 8 times (840 us at 64).
+    /// A decode pass's lm_head: [`Gpu::dense_seqs`] (above 16 rows its bulk-copy kernel in passes of 32 rows: alone
+    /// on the H200, 211.3 / 421.1 us at 32 / 64 rows, against the prefill's 128-row GEMM's 452.4 at 64).
     pub fn lm_head_seqs(
         &self,
         m: &QMat,
@@ -731,14 +350,10 @@ impl Gpu {
         ldy: usize,
         add: bool,
     ) -> Result<()> {
-        let gemm = self.dense_gemm.load(std::sync::atomic::Ordering::Relaxed);
-        match gemm && n > 32 && m.rows >= 65536 && m.cols <= 2048 {
-            true => self.gemm_q4(m, x, n, y, ldy, add),
-            false => self.dense_seqs(m, x, n, y, ldy, add),
-        }
+        self.dense_seqs(m, x, n, y, ldy, add)
     }
 
-    /// `y[t, r] (+)= W[r] · x[t]` for the `n` ≤ [`MAX_SEQS`] bf16 rows of `x` (`[n, cols]`) and a 4-bit matrix (the
+    /// `y[t, r] (+)= W[r] · x[t]` for the `n` ≤ [`STREAM_ROWS`] bf16 rows of `x` (`[n, cols]`) and a 4-bit matrix (the
     /// batched step's dense projections and lm_head) on tensor cores: exact 4-bit codes, f32 scale/bias arithmetic and
     /// accumulation; y `[n, ldy]` f32, `add` adds to it (the residual). Where the shapes allow (group size 64, rows a
     /// multiple of 16, columns of 256) the ring kernel ([`Gpu::dense_ring`]: every weight read and dequantised once
@@ -754,7 +369,7 @@ impl Gpu {
         ldy: usize,
         add: bool,
     ) -> Result<()> {
-        ensure!(n <= MAX_SEQS, "dense_seqs: {n} rows (1..={MAX_SEQS})");
+        ensure!(n <= STREAM_ROWS, "dense_seqs: {n} rows (1..={STREAM_ROWS})");
         check_dense(m, x, n, y, ldy, "dense_seqs")?;
         ensure!(m.rows >= 16, "dense_seqs: {} rows (at least 16)", m.rows);
         if self.dense_tma.load(std::sync::atomic::Ordering::Relaxed) {
@@ -821,7 +436,7 @@ impl Gpu {
         add: bool,
         kz: usize,
     ) -> Result<()> {
-        ensure!((1..=MAX_SEQS).contains(&n), "dense_ring: {n} rows (1..={MAX_SEQS})");
+        ensure!((1..=STREAM_ROWS).contains(&n), "dense_ring: {n} rows (1..={STREAM_ROWS})");
         check_dense(m, x, n, y, ldy, "dense_ring")?;
         let tgs = ring_token_slots(n);
         ensure!(
@@ -863,7 +478,7 @@ impl Gpu {
     /// a multiprocessor, each streaming a contiguous range of the matrix's 16-row units by bulk copies (the first
     /// `slots` requested before the dependency wait) and dequantising each k-block once for all the tokens of a pass
     /// ([`dense_tma_tgs`] tokens a pass: every token up to 16; above, 32 a pass of 2,048 columns and 16 of 4,096). Group
-    /// size 64, rows a multiple of 16, 2,048 or 4,096 columns, n <= [`MAX_SEQS`] (checked).
+    /// size 64, rows a multiple of 16, 2,048 or 4,096 columns, n <= [`STREAM_ROWS`] (checked).
     #[allow(clippy::too_many_arguments)]
     pub fn dense_tma(
         &self,
@@ -875,7 +490,7 @@ impl Gpu {
         add: bool,
         slots: usize,
     ) -> Result<()> {
-        ensure!((1..=MAX_SEQS).contains(&n), "dense_tma: {n} rows (1..={MAX_SEQS})");
+        ensure!((1..=STREAM_ROWS).contains(&n), "dense_tma: {n} rows (1..={STREAM_ROWS})");
         check_dense(m, x, n, y, ldy, "dense_tma")?;
         ensure!(
             dense_tma_shapes(m.rows, m.cols, m.gs),
@@ -903,7 +518,7 @@ impl Gpu {
         let mut l = self.launcher(f);
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&r).arg(&c).arg(x).arg(&ni).arg(&*y).arg(&ld).arg(&a).arg(&sl);
         // SAFETY: matches dense_tma_n{1,2,4} (moe_seqs.cu) for tgs = 8 NT token slots a pass (cols tgs <= 65,536,
-        // checked), n <= MAX_SEQS rows in passes of tgs; W is a whole 4-bit QMat
+        // checked), n <= STREAM_ROWS rows in passes of tgs; W is a whole 4-bit QMat
         // (rows x cols/8 words, rows x cols/64 scales/biases: every unit's bulk copies inside them) with rows a
         // multiple of 16 and cols of 2048 (16-byte aligned, whole copies of codes, scales and biases; a multiple of
         // 4 k-blocks a warp); x holds n rows of cols bf16, y n rows of stride ldy >= rows (check_dense); grid <=
@@ -1082,10 +697,10 @@ fn dense_tma_shapes(rows: usize, cols: usize, gs: usize) -> bool {
 }
 
 /// Whether [`Gpu::dense_tma`] takes a `rows x cols` product (group size `gs`) at `n` tokens with `slots` ring slots:
-/// its shapes, 1..=[`MAX_SEQS`] tokens, 1..=DT_MAXS slots, and its shared memory within the limit.
+/// its shapes, 1..=[`STREAM_ROWS`] tokens, 1..=DT_MAXS slots, and its shared memory within the limit.
 pub fn dense_tma_takes(rows: usize, cols: usize, gs: usize, n: usize, slots: usize) -> bool {
     dense_tma_shapes(rows, cols, gs)
-        && (1..=MAX_SEQS).contains(&n)
+        && (1..=STREAM_ROWS).contains(&n)
         && (1..=DT_MAXS).contains(&slots)
         && dense_tma_smem(cols, dense_tma_tgs(cols, n), slots) <= SMEM_MAX
 }
@@ -1096,12 +711,12 @@ pub fn dense_tma_takes(rows: usize, cols: usize, gs: usize, n: usize, slots: usi
 /// [`DT_UNITS`] units a block (not the lm_head). Two slots (one where a block has one unit): more kept the next
 /// kernel's blocks off the multiprocessor and were slower (in_proj at 8 tokens 8.1 us with 2, 9.0 with 4). Above 16
 /// tokens the 2,048-column matrices (in_proj, q|k|v and the lm_head, in passes of [`dense_tma_tgs`] tokens): measured
-/// alone on the H200 (docs/cuda-notes.md step 40), us at 32 / 64 tokens, in_proj 18.2 / 35.1 against the
+/// alone on the H200 (docs/decisions.md, step 40), us at 32 / 64 tokens, in_proj 18.2 / 35.1 against the
 /// register-streamed kernel's 21.6 / 43.0, q|k|v 16.3 / 31.4 against 21.0 / 35.4, the lm_head 211.3 / 421.1 against
 /// 427.9 and the GEMM's 452.4; not out_proj and o_proj, whose 128 blocks would each stage every token's 4,096 columns
 /// for one unit (32 tokens 19.4 against the ring kernel's 12.4).
 pub fn dense_tma_slots(rows: usize, cols: usize, gs: usize, n: usize, sms: usize) -> Option<usize> {
-    if !dense_tma_shapes(rows, cols, gs) || !(1..=MAX_SEQS).contains(&n) || sms == 0 {
+    if !dense_tma_shapes(rows, cols, gs) || !(1..=STREAM_ROWS).contains(&n) || sms == 0 {
         return None;
     }
     let units = rows / 16;
@@ -1153,7 +768,7 @@ fn ring_token_slots(n: usize) -> usize {
 /// (1,940) in 1 up to 16 tokens (n = 8 / 16: 102 / 150 against 127 / 226) and slower above (n = 32: 404 against 425
 /// at best, n = 64: 799 against the GEMM's 448).
 fn dense_ring_split(rows: usize, cols: usize, n: usize, sms: usize) -> Option<usize> {
-    if rows < 16 || rows % 16 != 0 || cols % 256 != 0 || !(1..=MAX_SEQS).contains(&n) {
+    if rows < 16 || rows % 16 != 0 || cols % 256 != 0 || !(1..=STREAM_ROWS).contains(&n) {
         return None;
     }
     let blocks = rows.div_ceil(DENSE_RING_ROWS);
@@ -1209,6 +824,50 @@ impl Gpu {
     }
 }
 
+/// A head's value columns in blocks of 64 (whole 32-column chunks, keeping gdn_step's sums), or one block for a head
+/// of at most 64: the blocks a head of the `_seqs` GDN kernels takes.
+fn gdn_parts(d: GdnDims) -> usize {
+    if d.dv % 64 == 0 {
+        d.dv / 64
+    } else {
+        1
+    }
+}
+
+/// Warps of 32 columns per row group of a block of the `_seqs` GDN kernels.
+fn smem_cols(d: GdnDims, parts: usize) -> usize {
+    (d.dv / parts).div_ceil(32)
+}
+
+/// The checks gdn_verify_seqs and gdn_commit_seqs share; their parts and shared memory.
+#[allow(clippy::too_many_arguments)]
+fn gdn_rows_check(
+    d: GdnDims,
+    ldp: usize,
+    proj_len: usize,
+    row0: usize,
+    segs: &SegTable,
+    rings: &CudaView<u64>,
+    states: &CudaView<u64>,
+    conv_w: &CudaSlice<f32>,
+    a_log: &CudaSlice<f32>,
+    dt_bias: &CudaSlice<f32>,
+) -> Result<(usize, usize)> {
+    let conv_dim = d.conv_dim();
+    let vd = d.hv * d.dv;
+    ensure!(d.dk <= 128 && d.dv <= 256 && d.dv % 4 == 0 && d.hv % d.hk == 0 && d.taps >= 1, "gdn rows: dims");
+    ensure!(segs.n() > 0 && segs.n() <= 65535, "gdn rows: {} sequences", segs.n());
+    ensure!(ldp >= conv_dim + vd + 2 * d.hv && proj_len >= (row0 + segs.rows()) * ldp, "gdn rows: proj");
+    ensure!(conv_w.len() == conv_dim * d.taps && a_log.len() >= d.hv && dt_bias.len() >= d.hv, "gdn rows: weights");
+    ensure!(rings.len() >= segs.n() && states.len() >= segs.n(), "gdn rows: tables");
+    let parts = gdn_parts(d);
+    let dvp = d.dv / parts;
+    ensure!(dvp <= 64 && dvp % 4 == 0 && parts <= 8, "gdn rows: {} value columns a head", d.dv);
+    let smem = d.dk * dvp * 4;
+    ensure!(smem <= SMEM_MAX, "gdn rows: a block's state of {smem} bytes is over the shared memory limit");
+    Ok((parts, smem))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1252,7 +911,7 @@ mod tests {
         // the lm_head: 118 units a block, above 16 tokens in passes of 32
         assert_eq!(slots(248320, 2048), [None, None, None, None, Some(2), Some(2)]);
         for (rows, cols) in [(12352, 2048), (9216, 2048), (2048, 4096), (248320, 2048)] {
-            for n in 1..=MAX_SEQS {
+            for n in 1..=STREAM_ROWS {
                 if let Some(s) = dense_tma_slots(rows, cols, 64, n, 132) {
                     let tgs = dense_tma_tgs(cols, n);
                     assert!(dense_tma_smem(cols, tgs, s) <= SMEM_MAX && cols * tgs <= 65536, "{rows}x{cols} n {n}");

@@ -87,7 +87,7 @@ pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak
             dec.push(a.elapsed_ms(&b)? as f64 * 1e3 / DECODE_STEPS as f64);
         }
         let (t, us) = (median(&mut ttft), median(&mut dec));
-        let flops = crate::prefill::prefill_flops(c, m, 0, ctx);
+        let flops = prefill_flops(c, m, 0, ctx);
         let pceil = ctx as f64 / (flops / (peak_tflops * 1e12));
         let kv = n_attn * (ctx + DECODE_STEPS / 2) * c.num_key_value_heads * c.head_dim * 2 * 2;
         let dceil = BW / (wbytes + gdn_state + kv) as f64;
@@ -147,15 +147,15 @@ pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak
 }
 
 /// The model's pass buffers, where the bench sets whether batched passes run as CUDA graphs
-/// ([`crate::prefill::PrefillBuffers::graphs`]) and which kernel family their graphs leave out (`omit`).
-fn buffers(m: &crate::model::DeviceModel) -> Result<std::sync::MutexGuard<'_, crate::prefill::PrefillBuffers>> {
+/// ([`crate::workspace::PrefillBuffers::graphs`]) and which kernel family their graphs leave out (`omit`).
+fn buffers(m: &crate::model::DeviceModel) -> Result<std::sync::MutexGuard<'_, crate::workspace::PrefillBuffers>> {
     m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned"))
 }
 
 /// Context of every sequence in the batched decode table.
 const BATCH_CTX: usize = 512;
 /// Batch sizes of the batched decode table.
-const BATCHES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+const BATCHES: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 
 /// Median over `repeats` runs (after one to warm up: buffers, modules, graphs) of 8 batched steps of the first `b`
 /// sequences at `ctx` tokens each, in ms a step.
@@ -165,7 +165,7 @@ fn step_ms(
     b: usize,
     ctx: usize,
     ids: &[u32],
-    want: &[crate::batch::RowWant],
+    want: &[crate::forward::RowWant],
     repeats: usize,
 ) -> Result<f64> {
     let g = &m.gpu;
@@ -194,7 +194,8 @@ fn step_ms(
 /// routing, 1 - (1 - k/E)^B of them — once each, every sequence's GDN state read and written and its KV read, at 4.3
 /// TB/s); then per-kernel profiles of one step at 8 and 32 sequences.
 pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) -> Result<()> {
-    use crate::batch::{Draw, RowWant, MAX_SEQS};
+    use crate::batch::MAX_SEQS;
+    use crate::forward::{Draw, RowWant};
     use crate::seq::DeviceState;
     let m = &be.model;
     let (g, c) = (m.gpu.clone(), &m.config);
@@ -259,7 +260,7 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) 
     println!("(ceiling: bytes per step / 4.3 TB/s; experts: expected distinct routed experts per layer)");
     // the same binary with a kernel choice off, then on (each setting's graphs captured afresh), greedy with graphs:
     // the streamed experts through the shared-memory ring kernels or the register-streamed ones (Gpu::moe_ring; the
-    // same results bit for bit), the lm_head above 32 rows through the 128-row GEMM or dense_seqs (Gpu::dense_gemm)
+    // same results bit for bit)
     let mut ab = |flag: &std::sync::atomic::AtomicBool, sizes: &[usize]| -> Result<String> {
         let was = flag.load(std::sync::atomic::Ordering::Relaxed);
         let mut out: Vec<String> = Vec::new();
@@ -279,7 +280,6 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) 
         Ok(out.join(", "))
     };
     println!("streamed experts, register-streamed -> ring kernels (ms a step): {}", ab(&g.moe_ring, &[1, 8, 32, 64])?);
-    println!("lm_head above 32 rows, dense_seqs -> gemm_q4 (ms a step): {}", ab(&g.dense_gemm, &[48, 64])?);
     let tma_was = g.dense_tma.swap(false, std::sync::atomic::Ordering::Relaxed);
     println!("dense products, register-streamed -> ring (ms a step): {}", ab(&g.dense_ring, &[1, 8, 32, 64])?);
     g.dense_tma.store(tma_was, std::sync::atomic::Ordering::Relaxed);
@@ -423,7 +423,66 @@ pub fn bench_batched(be: &CudaBackend, ctx: usize, repeats: usize, trace: bool) 
         "first tokens of {b} prompts of 80 tokens (prefill and draw, ids back): one prefill after another {one:.1} ms, \
          one multi-sequence pass {all:.1} ms"
     );
+    mixed_steps(m, &mut seqs, ctx, repeats)?;
     pool_costs(be, repeats)
+}
+
+/// A step while a prompt is read: B decodes and a prompt chunk of P tokens, as two passes (the decode pass, then
+/// the one-sequence prefill: what the backend ran before the one forward) against one forward over all the rows
+/// ([`crate::DeviceModel::forward_seqs`]); wall ms of the step, ids back, median over `repeats`.
+fn mixed_steps(
+    m: &crate::model::DeviceModel,
+    seqs: &mut [crate::seq::DeviceState],
+    ctx: usize,
+    repeats: usize,
+) -> Result<()> {
+    use crate::forward::{Draw, RowWant};
+    use crate::seq::DeviceState;
+    let (g, c) = (&m.gpu, &m.config);
+    let chunk = buffers(m)?.chunk;
+    println!("a step with a prompt chunk of P tokens beside B decodes ({ctx} tokens of context): two passes (decodes,");
+    println!("then the prefill) -> one forward, ms a step:");
+    for p in [512usize, 2048].into_iter().filter(|&p| p <= chunk) {
+        let mut prompt_seq = DeviceState::new(m, p + 16)?;
+        let prompt: Vec<u32> = prompt_ids(p, c.vocab_size);
+        let mut line = Vec::new();
+        let have = seqs.len();
+        // the prompt is a pass's sequence too: at most MAX_SEQS - 1 decodes beside it
+        let most = have.min(crate::batch::MAX_SEQS - 1);
+        for b in [16usize, 64, 128, 255].into_iter().filter(|&b| b <= most) {
+            let ids: Vec<u32> = (0..b as u32).map(|r| (r * 7919 + 3) % c.vocab_size as u32).collect();
+            let want = vec![RowWant { logits: false, draw: Draw::Argmax(c.vocab_size) }; b + 1];
+            let mut times = [Vec::new(), Vec::new()];
+            for rep in 0..=repeats {
+                for (way, t) in times.iter_mut().enumerate() {
+                    prompt_seq.reset(g)?;
+                    let mut refs: Vec<&mut DeviceState> = seqs.iter_mut().take(b).collect();
+                    for s in refs.iter_mut() {
+                        s.set_len(g, ctx)?;
+                    }
+                    g.stream.synchronize()?;
+                    let t0 = std::time::Instant::now();
+                    if way == 0 {
+                        m.decode_seqs(&mut refs, &ids, &want[..b])?;
+                        prompt_seq.prefill(m, &prompt, false, false)?;
+                        g.download(&prompt_seq.tok)?;
+                    } else {
+                        refs.push(&mut prompt_seq);
+                        let rows: Vec<&[u32]> =
+                            ids.iter().map(std::slice::from_ref).chain([prompt.as_slice()]).collect();
+                        m.forward_seqs(&mut refs, &rows, &want)?;
+                    }
+                    if rep > 0 {
+                        t.push(t0.elapsed().as_secs_f64() * 1e3);
+                    }
+                }
+            }
+            let [two, one] = times.map(|mut t| median(&mut t));
+            line.push(format!("B = {b}: {two:.1} -> {one:.1}"));
+        }
+        println!("  P = {p}: {}", line.join(", "));
+    }
+    Ok(())
 }
 
 /// The batched step's dense products alone (50 launches in one graph, us a launch): `dense_seqs` (8-token tiles,
@@ -741,6 +800,8 @@ fn print_batched_trace(recs: &[TraceRec]) -> Result<()> {
             61 => "topk_rows",
             62 => "moe_align",
             63 => "moe_combine_norm",
+            64 => "gdn_verify_seqs",
+            65 => "gdn_commit_seqs",
             _ => "other",
         }
     };
@@ -927,6 +988,8 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         61 => "topk_rows",
         62 => "moe_align",
         63 => "moe_combine_norm",
+        64 => "gdn_verify_seqs",
+        65 => "gdn_commit_seqs",
         _ => "?",
     };
     let mut fam: Vec<String> = Vec::new();
@@ -1000,4 +1063,37 @@ fn print_trace(recs: &[TraceRec], c: &Config) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// FLOPs of a prefill of `n` tokens after `pos0` cached ones (matrix products, the chunked GDN and attention;
+/// the lm_head for the last token only): the numerator of the compute ceiling.
+pub fn prefill_flops(c: &Config, m: &crate::model::DeviceModel, pos0: usize, n: usize) -> f64 {
+    let (h, k) = (c.hidden_size as f64, c.num_experts_per_tok as f64);
+    let (i, is) = (c.moe_intermediate_size as f64, c.shared_expert_intermediate_size as f64);
+    let d = crate::prefill::GdnDims::of(c);
+    let nf = n as f64;
+    let mut total = 0.0;
+    for (l, kind) in m.layers.iter().zip(&c.layer_types) {
+        total += match &l.mixer {
+            crate::model::DMixer::Gdn { proj, out, .. } => {
+                2.0 * nf * (proj.rows * proj.cols + out.rows * out.cols) as f64
+            }
+            crate::model::DMixer::Attn { qkv, o, .. } => 2.0 * nf * (qkv.rows * qkv.cols + o.rows * o.cols) as f64,
+        };
+        // router, routed and shared experts
+        total += 2.0 * nf * (l.router.rows as f64 * h + k * 3.0 * i * h + 3.0 * is * h);
+        total += match kind {
+            // per token and value head (multiply-adds): A and P rows 2*64*dk, the triangular solve 32*(dk+dv),
+            // [W;Q] S 2*dk*dv, the state update dk*dv, P D 32*dv
+            LayerKind::Linear => {
+                let (dk, dv) = (d.dk as f64, d.dv as f64);
+                2.0 * nf * d.hv as f64 * (128.0 * dk + 32.0 * (dk + dv) + 3.0 * dk * dv + 32.0 * dv)
+            }
+            LayerKind::Full => {
+                let keys = nf * pos0 as f64 + nf * (nf + 1.0) / 2.0;
+                4.0 * (c.num_attention_heads * c.head_dim) as f64 * keys
+            }
+        };
+    }
+    total + 2.0 * (m.lm_head.rows * m.lm_head.cols) as f64
 }

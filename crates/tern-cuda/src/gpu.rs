@@ -105,7 +105,7 @@ funcs! {
     attn_prep: "attention", attn_decode: "attention", attn_decode_kv: "attention",
     attn_combine: "attention",
     // batched decode (one token for each of B sequences): see batch.rs
-    gdn_step_seqs: "gdn", attn_prep_seqs: "attention", attn_decode_kv_seqs: "attention",
+    gdn_step_seqs: "gdn", gdn_verify_seqs: "gdn", gdn_commit_seqs: "gdn", attn_prep_seqs: "attention", attn_decode_kv_seqs: "attention",
     attn_combine_seqs: "attention", moe_gate_up_seqs_w1: "moe_seqs", moe_gate_up_seqs_w2: "moe_seqs",
     moe_down_seqs_w1: "moe_seqs", moe_down_seqs_w2: "moe_seqs", moe_gate_up_ring_t4: "moe_seqs",
     moe_gate_up_ring_t8: "moe_seqs", moe_down_ring_t4: "moe_seqs", moe_down_ring_t8: "moe_seqs",
@@ -142,8 +142,8 @@ impl<T> KArg for CudaView<'_, T> {
         self.device_ptr(s).0
     }
 }
-/// A device buffer a launch wrapper checks (`len`, in elements) and passes: a `CudaSlice` or a sequence's
-/// [`crate::pool::StateBuf`].
+/// A device buffer a launch wrapper checks (`len`, in elements) and passes: a `CudaSlice` or a sequence's state
+/// buffer (crate::pool::StateBuf).
 pub trait DevBuf<T>: KArg {
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
@@ -153,11 +153,6 @@ pub trait DevBuf<T>: KArg {
 impl<T> DevBuf<T> for CudaSlice<T> {
     fn len(&self) -> usize {
         CudaSlice::len(self)
-    }
-}
-impl<T> DevBuf<T> for crate::pool::StateBuf<T> {
-    fn len(&self) -> usize {
-        self.len
     }
 }
 
@@ -288,28 +283,24 @@ pub struct Gpu {
     /// Bytes of weight copies made on the device from uploaded ones (the experts' tile-major copies).
     pub derived: std::sync::atomic::AtomicUsize,
     staging: std::sync::Mutex<Option<Staging>>,
-    /// The sampler's buffers ([`Gpu::sample_download`]).
-    pub(crate) sampler: std::sync::Mutex<Option<crate::sample::SampleScratch>>,
+    /// The sampler's buffers, kept between draws (crate::sample's `SampleScratch`, which the sampler owns: the
+    /// driver layer does not know its type).
+    pub(crate) sampler: std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>,
     /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
     pub pdl: bool,
     /// While set, [`KLaunch::launch`] launches nothing: the bench's timing of the batched step with one kernel
-    /// family left out ([`crate::prefill::PrefillBuffers::omit`]).
+    /// family left out ([`crate::workspace::PrefillBuffers::omit`]).
     pub(crate) omit: std::sync::atomic::AtomicBool,
-    /// The streamed expert kernels take the shared-memory ring variants where the shapes allow (moe_seqs.cu
-    /// `moe_*_ring_t*`; default, `TERN_MOE_RING=0` turns it off): the same results bit for bit, faster. Tests and the
-    /// bench set it to compare the two.
+    /// Kernel choices the tests and the bench turn off to compare a fast kernel with the generic one it replaces
+    /// (always on when serving; no environment switch): the streamed expert kernels' shared-memory ring variants
+    /// where the shapes allow (moe_seqs.cu `moe_*_ring_t*`, the same results bit for bit, faster)...
     pub moe_ring: std::sync::atomic::AtomicBool,
-    /// The batched step's lm_head at more than 32 rows through the 128-row GEMM (`Gpu::lm_head_seqs`;
-    /// `TERN_DENSE_GEMM=1`; default off: dense_seqs' bulk-copy kernel, faster): the bench A/Bs the two.
-    pub dense_gemm: std::sync::atomic::AtomicBool,
-    /// dense_seqs takes the ring kernel where the shapes allow (moe_seqs.cu `dense_ring_n*`; default,
-    /// `TERN_DENSE_RING=0` turns it off): the bench A/Bs the two.
+    /// ... dense_seqs' ring kernel where the shapes allow (moe_seqs.cu `dense_ring_n*`)...
     pub dense_ring: std::sync::atomic::AtomicBool,
-    /// dense_seqs takes the bulk-copy kernel where the shapes allow (moe_seqs.cu `dense_tma_n*`, ahead of the ring
-    /// kernel; default, `TERN_DENSE_TMA=0` turns it off): the bench A/Bs the two.
+    /// ... dense_seqs' bulk-copy kernel where the shapes allow (moe_seqs.cu `dense_tma_n*`, ahead of the ring)...
     pub dense_tma: std::sync::atomic::AtomicBool,
-    /// A decode batch of at most [`crate::batch::TOPK_ALIGN_ROWS`] rows takes its top-k and align in one launch
-    /// ([`Gpu::topk_align_seqs`]; default, `TERN_TOPK_ALIGN=0` keeps topk_rows and moe_align): the bench A/Bs the two.
+    /// ... and a decode batch of at most [`crate::batch::TOPK_ALIGN_ROWS`] rows' top-k and align in one launch
+    /// ([`Gpu::topk_align_seqs`]; off: topk_rows and moe_align).
     pub topk_align: std::sync::atomic::AtomicBool,
     _modules: Vec<Arc<CudaModule>>,
 }
@@ -325,6 +316,9 @@ const TMA_RING_BUDGET: usize = 110 * 1024;
 const TMA_RING_BUDGET_DEEP: usize = 180 * 1024;
 /// Dynamic shared memory limit set on the streamed GEMV kernels.
 const TMA_SMEM_MAX: usize = 200 * 1024;
+/// Dynamic shared memory limit set on the multi-token and few-row kernels that need more than 48 KB (the per-block
+/// opt-in limit, 227 KB on Hopper, minus room for the kernels' static shared memory).
+pub const SMEM_MAX: usize = 200 * 1024;
 /// Rows of x one moe_down block owns at most (DN_RB in moe.cu), and the largest k it takes (DN_MAXK + 1).
 const MOE_DOWN_RB: usize = 16;
 const MOE_DOWN_MAXK: usize = 17;
@@ -402,24 +396,18 @@ impl Gpu {
                 TMA_SMEM_MAX as i32,
             )?;
         }
-        for func in crate::prefill::big_smem_kernels(&f) {
+        for func in big_smem_kernels(&f) {
             func.set_attribute(
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                crate::prefill::SMEM_MAX as i32,
+                SMEM_MAX as i32,
             )?;
         }
         // Every kernel prefers the largest shared-memory carveout: an SM's L1/shared split is one setting for all the
         // blocks on it, so a kernel that asks for little shared memory would otherwise leave its SMs in a split where
         // the next kernel's streamed-GEMV or moe_down blocks (up to ~200 KB) do not fit until it has drained, and
-        // their bulk copies could not start early. (`TERN_CARVEOUT=<percent>` overrides, for A/B measurements.)
-        let carveout = std::env::var("TERN_CARVEOUT").ok().and_then(|v| v.parse::<i32>().ok()).unwrap_or(100);
-        if carveout >= 0 {
-            for func in gemv.iter().chain(f.all()) {
-                func.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    carveout.min(100),
-                )?;
-            }
+        // their bulk copies could not start early.
+        for func in gemv.iter().chain(f.all()) {
+            func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
         }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
@@ -435,11 +423,10 @@ impl Gpu {
             sampler: Default::default(),
             pdl,
             omit: std::sync::atomic::AtomicBool::new(false),
-            moe_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_MOE_RING").map_or(true, |v| v != "0")),
-            dense_gemm: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_GEMM").is_ok_and(|v| v == "1")),
-            dense_ring: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_RING").map_or(true, |v| v != "0")),
-            dense_tma: std::sync::atomic::AtomicBool::new(std::env::var("TERN_DENSE_TMA").map_or(true, |v| v != "0")),
-            topk_align: std::sync::atomic::AtomicBool::new(std::env::var("TERN_TOPK_ALIGN").map_or(true, |v| v != "0")),
+            moe_ring: std::sync::atomic::AtomicBool::new(true),
+            dense_ring: std::sync::atomic::AtomicBool::new(true),
+            dense_tma: std::sync::atomic::AtomicBool::new(true),
+            topk_align: std::sync::atomic::AtomicBool::new(true),
             _modules: modules.into_iter().map(|m| m.1).collect(),
         }))
     }
@@ -1030,4 +1017,42 @@ fn keep_freed_memory(ordinal: i32) -> Result<()> {
         .result()?;
     }
     Ok(())
+}
+
+/// The kernels that take up to [`SMEM_MAX`] of dynamic shared memory (the attribute is set once, at load).
+pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
+    vec![
+        &f.gemm_q4_store,
+        &f.gemm_q4_add,
+        &f.gemm_q4_swiglu,
+        &f.gemm_q4_gstore,
+        &f.gdn_chunk_prep,
+        &f.gdn_chunk_state,
+        &f.gdn_chunk_out,
+        &f.flash_prefill_hd256,
+        &f.flash_prefill_hd128,
+        &f.flash_prefill_hd64,
+        &f.moe_gate_up_seqs_w1,
+        &f.moe_gate_up_seqs_w2,
+        &f.moe_down_seqs_w1,
+        &f.moe_down_seqs_w2,
+        &f.moe_gate_up_ring_t4,
+        &f.moe_gate_up_ring_t8,
+        &f.moe_down_ring_t4,
+        &f.moe_down_ring_t8,
+        &f.dense_seqs_w1_k1,
+        &f.dense_seqs_w2_k1,
+        &f.dense_seqs_w1_k4,
+        &f.dense_seqs_w2_k4,
+        &f.dense_ring_n1,
+        &f.dense_ring_n2,
+        &f.dense_ring_n4,
+        &f.dense_ring_n8,
+        &f.dense_tma_n1,
+        &f.dense_tma_n2,
+        &f.dense_tma_n4,
+        &f.gdn_step_seqs,
+        &f.gdn_verify_seqs,
+        &f.gdn_commit_seqs,
+    ]
 }

@@ -1,19 +1,30 @@
-//! The CUDA backend of tern (NVIDIA Hopper, sm_90a): device weights (4-bit stays packed), one kernel family per
-//! decode op (`crates/tern-kernels/cuda/*.cu`), and a decode step captured once in a CUDA graph and replayed:
-//! the step reads the token id and the position from device memory and writes the next (greedy) id and
-//! position back, so the same graph replays every step. Prompt chunks go through the multi-token kernels instead
-//! (tensor-core GEMMs, grouped MoE, chunked Gated DeltaNet, flash attention: `prefill`), which leave the state
-//! as the decode steps would. `backend` puts it behind the engine's seam.
+//! The CUDA backend of tern (NVIDIA Hopper, sm_90a): device weights (4-bit stays packed), hand-written kernels
+//! (`crates/tern-kernels/cuda/*.cu`), and one forward pass over a flat batch of tokens a step.
+//!
+//! Modules, bottom up (each imports only from the ones before it; tests/layering.rs keeps it so):
+//! - `gpu`: the driver: context, stream, the kernels' handles, safe launches with programmatic dependent launch.
+//! - `prefill`, `sample`, `pool`: the multi-token kernels' and the sampler's launch wrappers (each checks shapes before
+//!   its launch), and the page pool that holds every sequence's KV cache and recurrent state.
+//! - `batch`: the few-row kernels' wrappers (the decode kernels' `_seqs` variants, the streamed dense and expert
+//!   products).
+//! - `workspace`: the buffers of a forward pass (activation rows, pass tables, decode buffers, captured graphs).
+//! - `model`: the weights on the device (and the workspace they are used with).
+//! - `seq`: a sequence's state, its batch-1 decode step as a plan and a CUDA graph, the backend's options.
+//! - `forward`: the layer written once over a flat batch of rows (`layers_pass`), the one forward a step runs
+//!   (`DeviceModel::forward_seqs`), the one-sequence prefill.
+//! - `backend` (the engine's seam) and `bench` (`tern bench --backend cuda`).
 
 pub mod backend;
 pub mod batch;
 pub mod bench;
+pub mod forward;
 pub mod gpu;
 pub mod model;
 pub mod pool;
 pub mod prefill;
 pub mod sample;
 pub mod seq;
+pub mod workspace;
 
 pub use backend::CudaSlots;
 pub use gpu::Gpu;

@@ -10,7 +10,7 @@ use tern_model::weights::{Linear, Mixer};
 use tern_model::{Config, LayerKind, Weights};
 
 use crate::gpu::{ExpertKind, Experts, Gpu, QMat};
-use crate::prefill::PrefillBuffers;
+use crate::workspace::PrefillBuffers;
 
 /// Tokens one prefill pass reads at most (a longer prompt is read in chunks of this many): large enough that the
 /// GEMMs fill the chip, small enough that the buffers stay around 1 GB at the full shape.
@@ -43,6 +43,18 @@ pub struct DLayer {
     pub down: Experts,
 }
 
+/// The multi-token-prediction block (model-spec §3.3): `fc` over `[pre_e(embed(id)) ; pre_h(hidden)]` as its two
+/// column halves (`fc_e`, `fc_h`: one product each, the second added), one full-attention layer with its MoE (its
+/// own K/V region in every sequence's pages), the final norm, the shared lm_head.
+pub struct DMtp {
+    pub fc_e: QMat,
+    pub fc_h: QMat,
+    pub pre_e: cudarc::driver::CudaSlice<f32>,
+    pub pre_h: cudarc::driver::CudaSlice<f32>,
+    pub layer: DLayer,
+    pub norm: cudarc::driver::CudaSlice<f32>,
+}
+
 pub struct DeviceModel {
     pub gpu: Arc<Gpu>,
     pub config: Config,
@@ -50,6 +62,8 @@ pub struct DeviceModel {
     pub lm_head: QMat,
     pub norm: cudarc::driver::CudaSlice<f32>,
     pub layers: Vec<DLayer>,
+    /// The MTP block, when the weights have one.
+    pub mtp: Option<DMtp>,
     /// The prefill chunk length and its buffers, shared by every sequence (one prefill at a time).
     pub prefill: std::sync::Mutex<PrefillBuffers>,
     /// The pages every sequence's KV cache and recurrent state come from ([`crate::pool`]).
@@ -114,16 +128,101 @@ fn experts(gpu: &Gpu, ms: &[Vec<&QuantMatrix>], what: &str) -> Result<Experts> {
     Ok(Experts { w, s, b, words, groups, gs: first[0].group_size(), tiled: None })
 }
 
-/// `x` with its tile-major copy for the batched step's ring kernels where the shapes allow them ([`Gpu::tile_experts`];
-/// `TERN_TILE_EXPERTS=0` leaves it out, for A/B measurements: the batched step then takes the register-streamed expert
-/// kernels).
+/// `x` with its tile-major copy for the batched step's ring kernels where the shapes allow them ([`Gpu::tile_experts`]).
 fn tiled(g: &Gpu, mut x: Experts, kind: ExpertKind, c: &Config) -> Result<Experts> {
     let (h, i, is) = (c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-    let off = std::env::var("TERN_TILE_EXPERTS").is_ok_and(|v| v == "0");
-    if !off && crate::gpu::ring_shapes(x.gs, &[h, i, is]) {
+    if crate::gpu::ring_shapes(x.gs, &[h, i, is]) {
         g.tile_experts(&mut x, kind, c.num_experts, (i, is), h)?;
     }
     Ok(x)
+}
+
+/// One decoder layer's weights on the device (a main layer, or the MTP block's).
+fn upload_layer(g: &Gpu, c: &Config, l: &tern_model::weights::Layer) -> Result<DLayer> {
+    let q = quant;
+    let mixer = match &l.mixer {
+        Mixer::Attention(a) => DMixer::Attn {
+            qkv: stack(g, &[q(&a.q_proj, "q_proj")?, q(&a.k_proj, "k_proj")?, q(&a.v_proj, "v_proj")?], "attn")?,
+            o: stack(g, &[q(&a.o_proj, "o_proj")?], "o_proj")?,
+            qn: g.upload(&a.q_norm)?,
+            kn: g.upload(&a.k_norm)?,
+        },
+        Mixer::DeltaNet(d) => DMixer::Gdn {
+            proj: stack(
+                g,
+                &[
+                    q(&d.in_proj_qkv, "in_proj_qkv")?,
+                    q(&d.in_proj_z, "in_proj_z")?,
+                    q(&d.in_proj_b, "in_proj_b")?,
+                    q(&d.in_proj_a, "in_proj_a")?,
+                ],
+                "gdn in_proj",
+            )?,
+            out: stack(g, &[q(&d.out_proj, "out_proj")?], "out_proj")?,
+            conv: g.upload(&d.conv)?,
+            a_log: g.upload(&d.a_log)?,
+            dt_bias: g.upload(&d.dt_bias)?,
+            norm: g.upload(&d.norm)?,
+        },
+    };
+    let m = &l.moe;
+    let router = stack(g, &[q(&m.router, "router")?, q(&m.shared_gate, "shared_gate")?], "router")?;
+    let all: Vec<_> = m.experts.iter().chain([&m.shared]).collect();
+    let gu = all.iter().map(|e| Ok(vec![q(&e.gate, "gate")?, q(&e.up, "up")?])).collect::<Result<Vec<_>>>()?;
+    let dn = all.iter().map(|e| Ok(vec![q(&e.down, "down")?])).collect::<Result<Vec<_>>>()?;
+    Ok(DLayer {
+        in_norm: g.upload(&l.input_norm)?,
+        post_norm: g.upload(&l.post_norm)?,
+        mixer,
+        router,
+        gate_up: tiled(g, experts(g, &gu, "gate_up")?, ExpertKind::GateUp, c)?,
+        down: tiled(g, experts(g, &dn, "down")?, ExpertKind::Down, c)?,
+    })
+}
+
+/// A quantised matrix split by columns at `at` (a multiple of its group size) into two device matrices: the
+/// product over the concatenation `[x ; y]` is then one product over `x` plus one over `y`.
+fn split_cols(g: &Gpu, m: &QuantMatrix, at: usize, what: &str) -> Result<(QMat, QMat)> {
+    let (rows, cols, bits, gs) = (m.rows(), m.cols(), m.bits(), m.group_size());
+    let per_word = 32 / bits as usize;
+    ensure!(
+        at > 0 && at < cols && at % gs == 0 && at % per_word == 0,
+        "{what}: cannot split {cols} columns at {at} (groups of {gs})"
+    );
+    let (wr, gr) = (cols / per_word, cols / gs);
+    let (wa, ga) = (at / per_word, at / gs);
+    let half = |lo: bool| -> Result<QMat> {
+        let pick = |r: usize, n: usize, a: usize| if lo { r * n..r * n + a } else { r * n + a..(r + 1) * n };
+        let w: Vec<u32> = (0..rows).flat_map(|r| m.packed()[pick(r, wr, wa)].iter().copied()).collect();
+        let s: Vec<u16> = (0..rows).flat_map(|r| m.scales()[pick(r, gr, ga)].iter().map(|v| v.to_bits())).collect();
+        let b: Vec<u16> = (0..rows).flat_map(|r| m.biases()[pick(r, gr, ga)].iter().map(|v| v.to_bits())).collect();
+        Ok(QMat {
+            rows,
+            cols: if lo { at } else { cols - at },
+            bits,
+            gs,
+            w: g.upload_parts(&[&w], 0)?,
+            s: g.upload_parts(&[&s], crate::gpu::SB_PAD)?,
+            b: g.upload_parts(&[&b], crate::gpu::SB_PAD)?,
+        })
+    };
+    Ok((half(true)?, half(false)?))
+}
+
+impl DeviceModel {
+    /// What the forward pass's workspace is sized by ([`crate::workspace::Shapes`]).
+    pub fn shapes(&self) -> crate::workspace::Shapes<'_> {
+        let proj_rows = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                DMixer::Gdn { proj, .. } => proj.rows,
+                DMixer::Attn { qkv, .. } => qkv.rows,
+            })
+            .max()
+            .unwrap_or(0);
+        crate::workspace::Shapes { gpu: &self.gpu, config: &self.config, proj_rows, layers: self.layers.len() }
+    }
 }
 
 impl DeviceModel {
@@ -144,53 +243,22 @@ impl DeviceModel {
         let mut layers = Vec::new();
         for (i, l) in w.layers.iter().enumerate() {
             progress(i, w.layers.len());
-            fn q<'a>(lin: &'a Linear, n: &str) -> Result<&'a QuantMatrix> {
-                quant(lin, n)
-            }
-            let _ = i;
-            let mixer = match &l.mixer {
-                Mixer::Attention(a) => DMixer::Attn {
-                    qkv: stack(
-                        g,
-                        &[q(&a.q_proj, "q_proj")?, q(&a.k_proj, "k_proj")?, q(&a.v_proj, "v_proj")?],
-                        "attn",
-                    )?,
-                    o: stack(g, &[q(&a.o_proj, "o_proj")?], "o_proj")?,
-                    qn: g.upload(&a.q_norm)?,
-                    kn: g.upload(&a.k_norm)?,
-                },
-                Mixer::DeltaNet(d) => DMixer::Gdn {
-                    proj: stack(
-                        g,
-                        &[
-                            q(&d.in_proj_qkv, "in_proj_qkv")?,
-                            q(&d.in_proj_z, "in_proj_z")?,
-                            q(&d.in_proj_b, "in_proj_b")?,
-                            q(&d.in_proj_a, "in_proj_a")?,
-                        ],
-                        "gdn in_proj",
-                    )?,
-                    out: stack(g, &[q(&d.out_proj, "out_proj")?], "out_proj")?,
-                    conv: g.upload(&d.conv)?,
-                    a_log: g.upload(&d.a_log)?,
-                    dt_bias: g.upload(&d.dt_bias)?,
-                    norm: g.upload(&d.norm)?,
-                },
-            };
-            let m = &l.moe;
-            let router = stack(g, &[q(&m.router, "router")?, q(&m.shared_gate, "shared_gate")?], "router")?;
-            let all: Vec<_> = m.experts.iter().chain([&m.shared]).collect();
-            let gu = all.iter().map(|e| Ok(vec![q(&e.gate, "gate")?, q(&e.up, "up")?])).collect::<Result<Vec<_>>>()?;
-            let dn = all.iter().map(|e| Ok(vec![q(&e.down, "down")?])).collect::<Result<Vec<_>>>()?;
-            layers.push(DLayer {
-                in_norm: g.upload(&l.input_norm)?,
-                post_norm: g.upload(&l.post_norm)?,
-                mixer,
-                router,
-                gate_up: tiled(g, experts(g, &gu, "gate_up")?, ExpertKind::GateUp, c)?,
-                down: tiled(g, experts(g, &dn, "down")?, ExpertKind::Down, c)?,
-            });
+            layers.push(upload_layer(g, c, l)?);
         }
+        let mtp = match &w.mtp {
+            Some(m) => {
+                let (fc_e, fc_h) = split_cols(g, quant(&m.fc, "mtp.fc")?, c.hidden_size, "mtp.fc")?;
+                Some(DMtp {
+                    fc_e,
+                    fc_h,
+                    pre_e: g.upload(&m.pre_fc_norm_embedding)?,
+                    pre_h: g.upload(&m.pre_fc_norm_hidden)?,
+                    layer: upload_layer(g, c, &m.layer)?,
+                    norm: g.upload(&m.norm)?,
+                })
+            }
+            None => None,
+        };
         let embed = stack(g, &[quant(&w.embed, "embed")?], "embed")?;
         let lm_head = stack(g, &[quant(&w.lm_head, "lm_head")?], "lm_head")?;
         let norm = g.upload(&w.norm)?;
@@ -198,7 +266,7 @@ impl DeviceModel {
         progress(w.layers.len(), w.layers.len());
         let prefill = PrefillBuffers::new(DEFAULT_PREFILL_CHUNK);
         let pool = Arc::new(crate::pool::PagePool::new(gpu.ctx.clone())?);
-        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, prefill, pool })
+        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, mtp, prefill, pool })
     }
 
     /// The full-shape model with random 4-bit weights (8-bit router), generated on the device: codes uniform,
@@ -283,7 +351,7 @@ impl DeviceModel {
         g.stream.synchronize()?;
         let prefill = PrefillBuffers::new(DEFAULT_PREFILL_CHUNK);
         let pool = Arc::new(crate::pool::PagePool::new(gpu.ctx.clone())?);
-        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, prefill, pool })
+        Ok(DeviceModel { gpu, config: c.clone(), embed, lm_head, norm, layers, mtp: None, prefill, pool })
     }
 
     /// Set the prefill chunk (tokens per pass; the buffers are reallocated at the next prefill if they are smaller).

@@ -760,6 +760,12 @@ impl Drop for SeqMem {
     }
 }
 
+impl<T> crate::gpu::DevBuf<T> for StateBuf<T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,82 +1,31 @@
-//! Prefill on the GPU: a prompt chunk of N tokens through every layer in one pass of kernels per layer
-//! (crates/tern-kernels/cuda/{gemm,prefill,flash}.cu), continuing from the state the sequence holds (KV cache rows,
-//! GDN conv ring and f32 recurrent state) and leaving it as N single decode steps would (within the dtypes'
-//! tolerance), with the logits of the last position (and, when asked, of every position). The per-sequence kernels
-//! (GDN prep, chunks and ring; attention prep and flash) read the sequences' state through [`PassTables`] and
-//! [`SegTable`], so one launch serves every sequence of a multi-sequence pass ([`DeviceModel::prefill_seqs`]) as it
-//! serves the one of this prefill.
-//!
-//! Per layer (N tokens):
-//! - GDN: rmsnorm_rows → gemm_q4 (in_proj, 12,352 rows) → gdn_prep (conv + SiLU + l2-norms + gates) →
-//!   gdn_chunk_prep (chunks of 64: UT transform) → gdn_chunk_scan (state across chunks) → gdn_ring (conv inputs for
-//!   the next step) → gdn_gated_norm → gemm_q4 (out_proj, + residual).
-//! - Attention: rmsnorm_rows → gemm_q4 (q|gate, k, v) → attn_prep_rows (norms, RoPE, K/V into the cache) →
-//!   flash_prefill (causal over the cache, output gate) → gemm_q4 (o_proj, + residual).
-//! - MoE: rmsnorm_rows (bf16 + f32) → router_rows (f32, as decode) → topk_rows → moe_align (pairs sorted by
-//!   expert, tiles) → gemm_q4_swiglu (grouped gate|up) → gemm_q4_gstore (grouped down) → moe_combine (+ residual).
-//!
-//! Then the last row goes through the decode step's own final norm + lm_head GEMV + argmax, so `logits`, `tok` and
-//! the position counter are what the decode graph expects next.
+//! The launch wrappers of the multi-token kernels (crates/tern-kernels/cuda/{gemm,prefill,flash}.cu), which the
+//! forward pass ([`crate::forward::layers_pass`]) runs over a pass's prompt rows, and the buffers whose layout they
+//! define: the tensor-core GEMM over 4-bit weights (dense and grouped by expert), the embedding, norms, router,
+//! top-k, expert sort and combine over rows, the chunked Gated DeltaNet (gdn_prep: conv + SiLU + l2-norms + gates;
+//! gdn_chunk_prep: the UT transform of chunks of 64; gdn_chunk_scan: the state across chunks, fp32; gdn_ring;
+//! gdn_gated_norm), and attention's prep (norms, RoPE, K/V into the cache) and causal flash attention. The
+//! per-sequence kernels read each sequence's state through the pass tables and its rows through a [`SegTable`], so
+//! one launch serves every sequence of a pass.
 //!
 //! Activations are f32 except GEMM inputs (bf16); weights stay 4-bit. Every launch goes through a safe wrapper
-//! below that checks the shapes and buffer lengths it is given. Scratch buffers are sized once for the largest
-//! chunk (`CudaOptions::prefill_chunk`) and shared by every sequence of the backend (one prefill at a time).
+//! below that checks the shapes and buffer lengths it is given.
 
-use std::sync::Mutex;
+use anyhow::{bail, ensure, Result};
+use cudarc::driver::{CudaSlice, CudaView};
+use tern_model::Config;
 
-use anyhow::{bail, ensure, Context, Result};
-use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, CudaView};
-use tern_model::{Config, LayerKind};
+use crate::gpu::{cfg, Experts, Gpu, QMat, NULL};
 
-use crate::gpu::{cfg, Experts, Funcs, Gpu, QMat, NULL};
-use crate::model::{DMixer, DeviceModel};
-use crate::seq::{DeviceState, LState, Profile};
-
-/// Dynamic shared memory limit set on the prefill kernels that need more than 48 KB (the per-block opt-in limit,
-/// 227 KB on Hopper, minus room for the kernels' static shared memory).
-pub const SMEM_MAX: usize = 200 * 1024;
+/// The most rows of the streamed few-token dense kernels (`Gpu::dense_seqs`, the lm_head of a decode pass) and the
+/// decode batches' expert tile ([`stream_tile`]): a decode pass of more rows takes the GEMMs.
+pub const STREAM_ROWS: usize = 64;
 /// Chunk length of the chunked Gated DeltaNet (GC in prefill.cu).
-const GDN_CHUNK: usize = 64;
+pub(crate) const GDN_CHUNK: usize = 64;
 /// Token tile of the grouped MoE GEMMs (BN of gemm_q4_swiglu / gemm_q4_gstore).
-const MOE_TILE: usize = 64;
+pub(crate) const MOE_TILE: usize = 64;
 /// Shared memory of the GEMM instantiations (GemmCfg in gemm.cu; static_asserts there).
 const GEMM_DENSE_SMEM: usize = 3 * (4096 + 128 * 144) + 2 * 128 * 144;
 const GEMM_GROUPED_SMEM: usize = 4 * (4096 + 64 * 144) + 2 * 128 * 144;
-
-pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
-    vec![
-        &f.gemm_q4_store,
-        &f.gemm_q4_add,
-        &f.gemm_q4_swiglu,
-        &f.gemm_q4_gstore,
-        &f.gdn_chunk_prep,
-        &f.gdn_chunk_state,
-        &f.gdn_chunk_out,
-        &f.flash_prefill_hd256,
-        &f.flash_prefill_hd128,
-        &f.flash_prefill_hd64,
-        &f.moe_gate_up_seqs_w1,
-        &f.moe_gate_up_seqs_w2,
-        &f.moe_down_seqs_w1,
-        &f.moe_down_seqs_w2,
-        &f.moe_gate_up_ring_t4,
-        &f.moe_gate_up_ring_t8,
-        &f.moe_down_ring_t4,
-        &f.moe_down_ring_t8,
-        &f.dense_seqs_w1_k1,
-        &f.dense_seqs_w2_k1,
-        &f.dense_seqs_w1_k4,
-        &f.dense_seqs_w2_k4,
-        &f.dense_ring_n1,
-        &f.dense_ring_n2,
-        &f.dense_ring_n4,
-        &f.dense_ring_n8,
-        &f.dense_tma_n1,
-        &f.dense_tma_n2,
-        &f.dense_tma_n4,
-        &f.gdn_step_seqs,
-    ]
-}
 
 pub(crate) fn log2_exact(v: usize, what: &str) -> Result<i32> {
     ensure!(v.is_power_of_two(), "{what} {v} is not a power of two");
@@ -87,7 +36,7 @@ pub(crate) fn log2_exact(v: usize, what: &str) -> Result<i32> {
 /// so that an expert many tokens share (the shared expert holds every token) is spread over many blocks rather than
 /// looped over in one. Decode batches take tiles of [`STREAM_TILE_DECODE`] ([`stream_tile`]).
 pub const STREAM_TILE: usize = 8;
-/// Pairs per tile of the streamed expert kernels in a pass of at most [`crate::batch::MAX_SEQS`] rows (a decode
+/// Pairs per tile of the streamed expert kernels in a pass of at most [`STREAM_ROWS`] rows (a decode
 /// batch): most routed experts get 1-2 of its pairs, and the ring kernels' 4 token slots halve their staged
 /// activations (shared memory: 4 blocks a multiprocessor instead of 3). Measured on the H200 (tools/moe_bench.cu, the
 /// ring kernels): gate|up at B = 8 / 32 / 64 29.1 / 69.5 / 94.1 us in tiles of 4 against 33.3 / 73.3 / 94.2 in tiles
@@ -96,7 +45,7 @@ pub const STREAM_TILE_DECODE: usize = 4;
 
 /// The streamed expert kernels' tile for a pass of `n` rows.
 pub fn stream_tile(n: usize) -> usize {
-    match n <= crate::batch::MAX_SEQS {
+    match n <= STREAM_ROWS {
         true => STREAM_TILE_DECODE,
         false => STREAM_TILE,
     }
@@ -163,7 +112,7 @@ pub fn pass_chunks(rows: usize) -> usize {
 /// [`pass_chunks`]`(rows)` chunks; `[first row, rows, pos0, first chunk]` per sequence on the device. A pass of
 /// one sequence is one entry.
 pub struct SegTable {
-    dev: CudaSlice<i32>,
+    pub(crate) dev: CudaSlice<i32>,
     n: usize,
     rows: usize,
     chunks: usize,
@@ -192,6 +141,24 @@ impl SegTable {
         Ok(())
     }
 
+    /// Sequences whose rows are not laid end to end: `(first row, rows, pos0)` each (a verify's kept rows within the
+    /// rows it read); `rows()` is then the end of the last row used. The chunk column is left 0 (for the kernels that
+    /// take rows one by one: gdn_ring and the GDN commit, not the chunked ones).
+    pub fn set_at(&mut self, g: &Gpu, seqs: &[(usize, usize, usize)]) -> Result<()> {
+        let max = self.dev.len() / 4;
+        ensure!(!seqs.is_empty() && seqs.len() <= max, "a pass of {} sequences (1..={max})", seqs.len());
+        let (mut host, mut end) = (Vec::with_capacity(4 * seqs.len()), 0usize);
+        for &(r0, k, pos0) in seqs {
+            ensure!(k > 0, "a sequence of a pass without rows");
+            ensure!(r0 + k + pos0 <= i32::MAX as usize, "a pass past 2^31 rows or positions");
+            host.extend([r0, k, pos0, 0].map(|v| v as i32));
+            end = end.max(r0 + k);
+        }
+        g.stream.memcpy_htod(&host, &mut self.dev.slice_mut(..host.len()))?;
+        (self.n, self.rows, self.chunks) = (seqs.len(), end, 0);
+        Ok(())
+    }
+
     /// Sequences, rows and chunks of the pass.
     pub fn n(&self) -> usize {
         self.n
@@ -204,72 +171,75 @@ impl SegTable {
     }
 }
 
-/// The tables a pass over several sequences reads the sequences' state through, uploaded before it (the
-/// prefill's kernels and the batched decode's `_seqs` kernels): per layer, each sequence's GDN conv ring or
-/// attention K cache (`a`) and GDN recurrent state or V cache (`b`), `[layer][sequence]` packed by the pass's
-/// count; the decode rows' positions; the prefill's [`SegTable`]. Allocated once for [`crate::batch::MAX_SEQS`]
-/// sequences, so captured graphs may bake their addresses in.
-pub struct PassTables {
-    a: CudaSlice<u64>,
-    b: CudaSlice<u64>,
-    pub(crate) posv: CudaSlice<i32>,
-    pub(crate) segs: SegTable,
-    n: usize,
+/// The expert-sorted (token, slot) pairs of one MoE layer and their tile list (moe_align): tiles of at most `tile`
+/// pairs of one expert (the grouped GEMMs take 64, the streamed kernels [`stream_tile`]).
+pub struct MoeSorted {
+    pub rowmap: CudaSlice<i32>,
+    pub pos: CudaSlice<i32>,
+    pub ntile: CudaSlice<i32>,
+    pub tiles: CudaSlice<i32>,
+    /// Each tile's tokens for tiles of at most 8 pairs (moe_align's `trows`: 8 u16 a tile, as 4 u32).
+    pub trows: CudaSlice<u32>,
+    pub n: usize,
+    pub k: usize,
+    pub experts: usize,
+    pub tile: usize,
+    pub max_tiles: usize,
 }
 
-impl PassTables {
-    pub fn new(m: &DeviceModel) -> Result<PassTables> {
-        let (g, n) = (&*m.gpu, crate::batch::MAX_SEQS);
-        let layers = m.layers.len();
-        let alloc = || -> Result<PassTables> {
-            Ok(PassTables {
-                a: g.zeros(layers * n)?,
-                b: g.zeros(layers * n)?,
-                posv: g.zeros(n)?,
-                segs: SegTable::new(g, n)?,
-                n: 0,
-            })
-        };
-        alloc().context("cannot allocate the pass tables")
+impl MoeSorted {
+    /// Record what the buffers now hold: `n` rows' top-`k` over `experts` in `max_tiles` tiles of `tile` pairs.
+    pub(crate) fn holds(&mut self, n: usize, k: usize, experts: usize, tile: usize, max_tiles: usize) {
+        (self.n, self.k, self.experts, self.tile, self.max_tiles) = (n, k, experts, tile, max_tiles);
     }
 
-    /// Upload every layer's state pointers of `seqs` (at most [`crate::batch::MAX_SEQS`]).
-    pub(crate) fn set_states<'s>(
-        &mut self,
-        m: &DeviceModel,
-        seqs: impl ExactSizeIterator<Item = &'s DeviceState>,
-    ) -> Result<()> {
-        let (n, nl) = (seqs.len(), m.layers.len());
-        ensure!(n * nl <= self.a.len(), "pass tables for {n} sequences");
-        let (mut ta, mut tb) = (vec![0u64; nl * n], vec![0u64; nl * n]);
-        for (r, s) in seqs.enumerate() {
-            ensure!(s.layers.len() == nl, "a sequence of another model");
-            for (li, (l, ls)) in m.layers.iter().zip(&s.layers).enumerate() {
-                let (a, b) = match (&l.mixer, ls) {
-                    (DMixer::Gdn { .. }, LState::Gdn { ring, s }) => (ring.ptr, s.ptr),
-                    (DMixer::Attn { .. }, LState::Attn { k, v }) => (k.ptr, v.ptr),
-                    _ => bail!("layer {li}: state does not match the model's layer kind"),
-                };
-                ta[li * n + r] = a;
-                tb[li * n + r] = b;
-            }
-        }
-        m.gpu.stream.memcpy_htod(&ta, &mut self.a.slice_mut(..nl * n))?;
-        m.gpu.stream.memcpy_htod(&tb, &mut self.b.slice_mut(..nl * n))?;
-        self.n = n;
-        Ok(())
-    }
-
-    /// Layer `li`'s tables `(a, b)` of the sequences last set.
-    pub(crate) fn layer(&self, li: usize) -> (CudaView<'_, u64>, CudaView<'_, u64>) {
-        let n = self.n;
-        (self.a.slice(li * n..(li + 1) * n), self.b.slice(li * n..(li + 1) * n))
-    }
-
-    pub fn bytes(&self) -> usize {
-        8 * (self.a.len() + self.b.len()) + 4 * (self.posv.len() + self.segs.dev.len())
+    pub fn new(g: &Gpu, cap: usize, k: usize, experts: usize) -> Result<MoeSorted> {
+        let pairs = cap * (k + 1);
+        Ok(MoeSorted {
+            rowmap: g.zeros(pairs)?,
+            pos: g.zeros(pairs)?,
+            ntile: g.zeros(1)?,
+            tiles: g.zeros(3 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
+            trows: g.zeros(4 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
+            n: 0,
+            k,
+            experts,
+            tile: 0,
+            max_tiles: 0,
+        })
     }
 }
+
+/// U (then D), W, P, G and the chunks' starting states of the chunked delta rule.
+pub struct GdnChunkScratch {
+    pub u: CudaSlice<f32>,
+    pub w: CudaSlice<f32>,
+    pub p: CudaSlice<f32>,
+    pub g: CudaSlice<f32>,
+    pub s: CudaSlice<f32>,
+}
+
+impl GdnChunkScratch {
+    /// Room for the chunks of a pass of `cap` rows of one sequence (a pass of several takes up to one chunk more
+    /// per sequence: [`pass_fits`]).
+    pub fn new(gpu: &Gpu, d: GdnDims, cap: usize) -> Result<GdnChunkScratch> {
+        let [u, w, p, g, s] = d.chunk_sizes(pass_chunks(cap));
+        Ok(GdnChunkScratch { u: gpu.zeros(u)?, w: gpu.zeros(w)?, p: gpu.zeros(p)?, g: gpu.zeros(g)?, s: gpu.zeros(s)? })
+    }
+
+    fn holds(&self, d: GdnDims, chunks: usize) -> bool {
+        let [u, w, p, g, s] = d.chunk_sizes(chunks);
+        self.u.len() >= u && self.w.len() >= w && self.p.len() >= p && self.g.len() >= g && self.s.len() >= s
+    }
+}
+
+/// A prefill pass of at most this many tokens takes the streamed expert kernels where the model's shapes allow
+/// ([`DeviceModel::streamed_moe`]): with a few pairs per routed expert the grouped GEMMs' 64-token tiles are mostly
+/// empty (a 256-token pass: 0.34 ms a layer for gate|up, measured), while the streamed kernels read each expert once
+/// per 8 pairs. The same line splits the dense GEMMs' K ([`gemm_split`]). The line is where the two meet on the
+/// H200 (TTFT of one prompt, streamed / GEMM: 384 tokens 32.4 / 43.7 ms, 512 37.0 / 48.9, 768 51.0 / 53.2, 1,024
+/// 64.8 / 60.5).
+pub const STREAM_MAX_TOKENS: usize = 768;
 
 /// The K-split of the dense GEMM in a short pass (at most [`STREAM_MAX_TOKENS`] rows; longer ones fill the GPU with
 /// token tiles and take 1) for a weight of `rows` x `cols`: doubled while the blocks of one 128-token tile would
@@ -753,7 +723,7 @@ impl Gpu {
     /// last min(rows, taps) positions).
     pub fn gdn_ring(
         &self,
-        proj: &CudaSlice<f32>,
+        proj: &CudaView<f32>,
         ldp: usize,
         d: GdnDims,
         segs: &SegTable,
@@ -843,563 +813,6 @@ impl Gpu {
     }
 }
 
-/// The expert-sorted (token, slot) pairs of one MoE layer and their tile list (moe_align): tiles of at most `tile`
-/// pairs of one expert (the grouped GEMMs take 64, the streamed kernels [`stream_tile`]).
-pub struct MoeSorted {
-    pub rowmap: CudaSlice<i32>,
-    pub pos: CudaSlice<i32>,
-    pub ntile: CudaSlice<i32>,
-    pub tiles: CudaSlice<i32>,
-    /// Each tile's tokens for tiles of at most 8 pairs (moe_align's `trows`: 8 u16 a tile, as 4 u32).
-    pub trows: CudaSlice<u32>,
-    pub n: usize,
-    pub k: usize,
-    pub experts: usize,
-    pub tile: usize,
-    pub max_tiles: usize,
-}
-
-impl MoeSorted {
-    /// Record what the buffers now hold: `n` rows' top-`k` over `experts` in `max_tiles` tiles of `tile` pairs.
-    pub(crate) fn holds(&mut self, n: usize, k: usize, experts: usize, tile: usize, max_tiles: usize) {
-        (self.n, self.k, self.experts, self.tile, self.max_tiles) = (n, k, experts, tile, max_tiles);
-    }
-
-    pub fn new(g: &Gpu, cap: usize, k: usize, experts: usize) -> Result<MoeSorted> {
-        let pairs = cap * (k + 1);
-        Ok(MoeSorted {
-            rowmap: g.zeros(pairs)?,
-            pos: g.zeros(pairs)?,
-            ntile: g.zeros(1)?,
-            tiles: g.zeros(3 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
-            trows: g.zeros(4 * max_moe_tiles(cap, k, experts, STREAM_TILE_DECODE))?,
-            n: 0,
-            k,
-            experts,
-            tile: 0,
-            max_tiles: 0,
-        })
-    }
-}
-
-/// U (then D), W, P, G and the chunks' starting states of the chunked delta rule.
-pub struct GdnChunkScratch {
-    pub u: CudaSlice<f32>,
-    pub w: CudaSlice<f32>,
-    pub p: CudaSlice<f32>,
-    pub g: CudaSlice<f32>,
-    pub s: CudaSlice<f32>,
-}
-
-impl GdnChunkScratch {
-    /// Room for the chunks of a pass of `cap` rows of one sequence (a pass of several takes up to one chunk more
-    /// per sequence: [`pass_fits`]).
-    pub fn new(gpu: &Gpu, d: GdnDims, cap: usize) -> Result<GdnChunkScratch> {
-        let [u, w, p, g, s] = d.chunk_sizes(pass_chunks(cap));
-        Ok(GdnChunkScratch { u: gpu.zeros(u)?, w: gpu.zeros(w)?, p: gpu.zeros(p)?, g: gpu.zeros(g)?, s: gpu.zeros(s)? })
-    }
-
-    fn holds(&self, d: GdnDims, chunks: usize) -> bool {
-        let [u, w, p, g, s] = d.chunk_sizes(chunks);
-        self.u.len() >= u && self.w.len() >= w && self.p.len() >= p && self.g.len() >= g && self.s.len() >= s
-    }
-}
-
-/// Activation buffers of one prefill chunk of at most `cap` tokens.
-pub struct Scratch {
-    pub cap: usize,
-    pub(crate) ids: CudaSlice<i32>,
-    pub(crate) x: CudaSlice<f32>,
-    pub(crate) xb: CudaSlice<u16>,
-    pub(crate) xn: CudaSlice<f32>,
-    pub(crate) proj: CudaSlice<f32>,
-    pub(crate) qkv: CudaSlice<f32>,
-    pub(crate) beta: CudaSlice<f32>,
-    pub(crate) gl: CudaSlice<f32>,
-    pub(crate) chunks: GdnChunkScratch,
-    pub(crate) o: CudaSlice<f32>,
-    pub(crate) qb: CudaSlice<u16>,
-    pub(crate) rlogits: CudaSlice<f32>,
-    pub(crate) idx: CudaSlice<i32>,
-    pub(crate) wts: CudaSlice<f32>,
-    pub(crate) sorted: MoeSorted,
-    pub(crate) act: CudaSlice<u16>,
-    pub(crate) ybuf: CudaSlice<f32>,
-}
-
-impl Scratch {
-    pub fn new(m: &DeviceModel, cap: usize) -> Result<Scratch> {
-        let (g, c) = (&*m.gpu, &m.config);
-        ensure!(cap > 0, "prefill chunk must hold at least one token");
-        let h = c.hidden_size;
-        let d = GdnDims::of(c);
-        let proj_rows = m
-            .layers
-            .iter()
-            .map(|l| match &l.mixer {
-                DMixer::Gdn { proj, .. } => proj.rows,
-                DMixer::Attn { qkv, .. } => qkv.rows,
-            })
-            .max()
-            .unwrap_or(0);
-        let wide = h.max(d.hv * d.dv).max(c.num_attention_heads * c.head_dim);
-        let (k, e) = (c.num_experts_per_tok, c.num_experts);
-        let imax = c.moe_intermediate_size.max(c.shared_expert_intermediate_size);
-        let pairs = cap * (k + 1);
-        let alloc = || -> Result<Scratch> {
-            Ok(Scratch {
-                cap,
-                ids: g.zeros(cap)?,
-                x: g.zeros(cap * h)?,
-                xb: g.zeros(cap * wide)?,
-                xn: g.zeros(cap * h)?,
-                proj: g.zeros(cap * proj_rows)?,
-                qkv: g.zeros(cap * d.conv_dim())?,
-                beta: g.zeros(cap * d.hv)?,
-                gl: g.zeros(cap * d.hv)?,
-                chunks: GdnChunkScratch::new(g, d, cap)?,
-                o: g.zeros(cap * d.hv * d.dv)?,
-                qb: g.zeros(cap * c.num_attention_heads * c.head_dim)?,
-                rlogits: g.zeros(cap * (e + 1))?,
-                idx: g.zeros(cap * (k + 1))?,
-                wts: g.zeros(cap * (k + 1))?,
-                sorted: MoeSorted::new(g, cap, k, e)?,
-                act: g.zeros(pairs * imax)?,
-                ybuf: g.zeros(pairs * h)?,
-            })
-        };
-        alloc().with_context(|| {
-            format!("cannot allocate the prefill buffers for chunks of {cap} tokens (out of device memory?)")
-        })
-    }
-
-    /// Device bytes these buffers hold.
-    pub fn bytes(&self) -> usize {
-        let f = |n: usize| n * 4;
-        let hb = |n: usize| n * 2;
-        f(self.ids.len() + self.x.len() + self.xn.len() + self.proj.len() + self.qkv.len() + self.beta.len())
-            + f(self.gl.len() + self.chunks.u.len() + self.chunks.w.len() + self.chunks.p.len() + self.chunks.g.len())
-            + f(self.chunks.s.len())
-            + f(self.o.len() + self.rlogits.len() + self.idx.len() + self.wts.len() + self.ybuf.len())
-            + f(self.sorted.rowmap.len() + self.sorted.pos.len() + self.sorted.tiles.len())
-            + hb(self.xb.len() + self.qb.len() + self.act.len())
-    }
-}
-
-/// The backend's prefill chunk length and its (lazily allocated) buffers, shared by all sequences: the activation
-/// rows of a prefill chunk, which a batched decode step ([`crate::batch`]) also uses (one row per sequence), and
-/// the batched step's own tables.
-pub struct PrefillBuffers {
-    pub chunk: usize,
-    pub scratch: Option<Scratch>,
-    pub seqs: Option<crate::batch::SeqScratch>,
-    /// The state pointer and sequence tables of every pass (allocated once, on the first pass).
-    pub tables: Option<PassTables>,
-    /// The batched decode pass replays a CUDA graph per shape (default), or launches its kernels one by one
-    /// (`TERN_BATCH_GRAPHS=0`; the bench times both).
-    pub graphs: bool,
-    /// The bench's in-graph cost of a kernel family: while set, the batched pass's graphs leave that family's
-    /// launches out (captured apart from the full pass's: the results are not meaningful, only the time).
-    pub omit: Option<String>,
-}
-
-impl PrefillBuffers {
-    pub fn new(chunk: usize) -> Mutex<PrefillBuffers> {
-        let graphs = std::env::var("TERN_BATCH_GRAPHS").map_or(true, |v| v != "0");
-        Mutex::new(PrefillBuffers { chunk: chunk.max(1), scratch: None, seqs: None, tables: None, graphs, omit: None })
-    }
-}
-
-/// Whether one prefill pass over sequences of these new rows fits buffers for prefill chunks of `chunk` rows: at most
-/// `chunk` rows, and the sequences' chunks of 64 rows (each sequence's own) no more than those of `chunk` rows.
-pub fn pass_fits(chunk: usize, rows: impl IntoIterator<Item = usize>) -> bool {
-    let (r, c) = rows.into_iter().fold((0, 0), |(r, c), k| (r + k, c + pass_chunks(k)));
-    r <= chunk && c <= pass_chunks(chunk)
-}
-
-/// The pass tables in `slot`, allocated on first use.
-pub(crate) fn tables<'a>(slot: &'a mut Option<PassTables>, m: &DeviceModel) -> Result<&'a mut PassTables> {
-    if slot.is_none() {
-        *slot = Some(PassTables::new(m)?);
-    }
-    slot.as_mut().context("pass tables")
-}
-
-/// The activation buffers in `slot`, holding at least `rows` rows: allocated on first use, replaced by larger ones
-/// when too small.
-pub(crate) fn scratch_rows<'a>(slot: &'a mut Option<Scratch>, m: &DeviceModel, rows: usize) -> Result<&'a mut Scratch> {
-    if slot.as_ref().is_none_or(|s| s.cap < rows) {
-        *slot = None; // free the old buffers before allocating larger ones
-        *slot = Some(Scratch::new(m, rows)?);
-    }
-    slot.as_mut().context("prefill buffers")
-}
-
-/// What a prefill returns besides the state it leaves.
-#[derive(Default, Debug)]
-pub struct PrefillOut {
-    /// `[n, vocab]` when asked for every position's logits.
-    pub logits: Vec<f32>,
-    /// Per layer, the routed experts of every token (`[n * k]`), when asked (tests hold routing equal with them).
-    pub routes: Vec<Vec<usize>>,
-}
-
-impl DeviceState {
-    /// Read `ids` after what the sequence holds through the multi-token kernels, in chunks of the backend's prefill
-    /// chunk: afterwards `logits` holds the last position's logits, `tok` their argmax and the position counter the
-    /// new length (as after `ids.len()` decode steps). With `all_logits`, every position's logits are returned;
-    /// with `log_routes`, every layer's expert choices. On error the sequence's state is undefined (discard it).
-    pub fn prefill(&mut self, m: &DeviceModel, ids: &[u32], all_logits: bool, log_routes: bool) -> Result<PrefillOut> {
-        self.prefill_profiled(m, ids, all_logits, log_routes, None)
-    }
-
-    /// [`DeviceState::prefill`]; with `prof`, every launch is bracketed by events and timed by kernel family
-    /// (the stream is not synchronised in between, so the sum is close to the real pass).
-    pub fn prefill_profiled(
-        &mut self,
-        m: &DeviceModel,
-        ids: &[u32],
-        all_logits: bool,
-        log_routes: bool,
-        prof: Option<&mut Profile>,
-    ) -> Result<PrefillOut> {
-        let (g, c) = (&*m.gpu, &m.config);
-        ensure!(!ids.is_empty(), "prefill needs at least one token");
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= c.vocab_size) {
-            bail!("token id {bad} is outside the vocabulary (size {})", c.vocab_size);
-        }
-        ensure!(
-            self.len + ids.len() <= self.room,
-            "the prompt does not fit: {} tokens held + {} new > the sequence's room of {} tokens",
-            self.len,
-            ids.len(),
-            self.room
-        );
-        let mut guard =
-            m.prefill.lock().map_err(|_| anyhow::anyhow!("prefill buffers poisoned by an earlier panic"))?;
-        let PrefillBuffers { chunk, scratch, tables: tslot, .. } = &mut *guard;
-        let chunk = *chunk;
-        let sc = scratch_rows(scratch, m, chunk)?;
-        let t = tables(tslot, m)?;
-        t.set_states(m, std::iter::once(&*self))?;
-        let mut out = PrefillOut::default();
-        if log_routes {
-            out.routes = vec![Vec::with_capacity(ids.len() * c.num_experts_per_tok); c.num_layers()];
-        }
-        let mut events = Vec::new();
-        for part in ids.chunks(chunk) {
-            let logits = all_logits.then_some(&mut out.logits);
-            let routes = log_routes.then_some(&mut out.routes);
-            self.prefill_chunk(m, sc, t, part, logits, routes, prof.is_some().then_some(&mut events))?;
-        }
-        g.stream.synchronize()?;
-        if let Some(p) = prof {
-            for w in events.windows(2) {
-                let ((name, a), (_, b)) = (&w[0], &w[1]);
-                if !name.is_empty() {
-                    p.add(name, a.elapsed_ms(b)? as f64);
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// One chunk through every layer, the sequence's state pointers already in `t`.
-    #[allow(clippy::too_many_arguments)]
-    fn prefill_chunk(
-        &mut self,
-        m: &DeviceModel,
-        sc: &mut Scratch,
-        t: &mut PassTables,
-        ids: &[u32],
-        all_logits: Option<&mut Vec<f32>>,
-        routes: Option<&mut Vec<Vec<usize>>>,
-        mut events: Option<&mut Vec<(&'static str, CudaEvent)>>,
-    ) -> Result<()> {
-        let (g, c) = (&*m.gpu, &m.config);
-        let n = ids.len();
-        // profiling: an event before each kernel family's launch (the name is the family that follows)
-        let mut mark = |name: &'static str| -> Result<()> {
-            if let Some(ev) = events.as_deref_mut() {
-                ev.push((name, g.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?));
-            }
-            Ok(())
-        };
-        ensure!(n <= sc.cap, "prefill chunk of {n} tokens over the buffers' {}", sc.cap);
-        let pos0 = self.len;
-        let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-        t.segs.set(g, &[(n, pos0)])?;
-        mark("embed")?;
-        g.embed_rows(&m.embed, ids, &mut sc.ids, &mut sc.x)?;
-        prefill_layers(m, sc, t, n, routes, &mut mark)?;
-        if let Some(out) = all_logits {
-            let v = c.vocab_size;
-            mark("lm_head all rows")?;
-            g.rmsnorm_rows(&sc.x, n, &m.norm, eps, &mut sc.xb, None)?;
-            let mut dl = g.zeros::<f32>(n * v)?;
-            g.gemm_q4(&m.lm_head, &sc.xb, n, &mut dl, v, false)?;
-            out.extend(g.download(&dl)?);
-        }
-        // the last row through the decode step's own tail: logits, argmax -> tok, position -> pos0 + n
-        mark("lm_head+argmax (last row)")?;
-        g.stream.memcpy_dtod(&sc.x.slice((n - 1) * h..n * h), &mut self.x.slice_mut(..h))?;
-        g.stream.memcpy_htod(&[(pos0 + n - 1) as i32], &mut self.pos)?;
-        g.gemv(&m.lm_head, &self.x, Some(&m.norm), eps, &mut self.logits, 0, false)?;
-        g.argmax(&self.logits, &mut self.apv, &mut self.api, &mut self.tok, &mut self.pos)?;
-        mark("")?;
-        self.len = pos0 + n;
-        self.pos_stale = false;
-        Ok(())
-    }
-
-    /// Zero the recurrent state, conv rings and position: an empty sequence again (the KV rows are left as they
-    /// are; nothing reads rows past the length).
-    pub fn reset(&mut self, g: &Gpu) -> Result<()> {
-        self.mem.zero_gdn()?;
-        g.stream.memcpy_htod(&[0i32], &mut self.pos)?;
-        self.len = 0;
-        self.pos_stale = false;
-        Ok(())
-    }
-}
-
-/// Every layer over a prefill pass's `n` rows of `sc.x` (embedded; the sequences' state pointers and segments in
-/// `t`), leaving the last layer's output in `sc.x`: the input norm before layer 0 (later ones go with the combine
-/// before them), the mixer (GEMMs over all rows; the GDN or attention kernels over every sequence at once), the MoE
-/// block. `routes` logs every layer's expert choices; `mark` names each kernel family before its launch.
-pub(crate) fn prefill_layers(
-    m: &DeviceModel,
-    sc: &mut Scratch,
-    t: &PassTables,
-    n: usize,
-    mut routes: Option<&mut Vec<Vec<usize>>>,
-    mark: &mut dyn FnMut(&'static str) -> Result<()>,
-) -> Result<()> {
-    let (g, c) = (&*m.gpu, &m.config);
-    let (h, eps, d) = (c.hidden_size, c.rms_norm_eps, GdnDims::of(c));
-    let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    for (li, l) in m.layers.iter().enumerate() {
-        if li == 0 {
-            mark("rmsnorm")?;
-            g.rmsnorm_rows(&sc.x, n, &l.in_norm, eps, &mut sc.xb, None)?;
-        }
-        let (ta, tb) = t.layer(li);
-        let segs = &t.segs;
-        match &l.mixer {
-            DMixer::Gdn { proj, out, conv, a_log, dt_bias, norm } => {
-                let ldp = proj.rows;
-                mark("gdn_in_proj (gemm)")?;
-                g.gemm_q4(proj, &sc.xb, n, &mut sc.proj, ldp, false)?;
-                mark("gdn_prep")?;
-                let (qkv, beta, gl) = (&mut sc.qkv, &mut sc.beta, &mut sc.gl);
-                g.gdn_prep(&sc.proj, ldp, &ta, conv, a_log, dt_bias, d, segs, qkv, beta, gl)?;
-                mark("gdn_chunk_prep")?;
-                g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, segs, d, &mut sc.chunks)?;
-                mark("gdn_chunk_scan")?;
-                g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, segs, d, &tb, &mut sc.o)?;
-                mark("gdn_ring+gated_norm")?;
-                g.gdn_ring(&sc.proj, ldp, d, segs, &ta)?;
-                g.gdn_gated_norm(&sc.o, &sc.proj, ldp, n, d, norm, eps, &mut sc.xb)?;
-                mark("gdn_out_proj (gemm)")?;
-                g.gemm_q4(out, &sc.xb, n, &mut sc.x, h, true)?;
-            }
-            DMixer::Attn { qkv, o, qn, kn } => {
-                let ldp = qkv.rows;
-                mark("attn_qkv (gemm)")?;
-                g.gemm_q4(qkv, &sc.xb, n, &mut sc.proj, ldp, false)?;
-                let (theta, dims) = (c.rope_theta as f32, (nh, nkv, hd, c.rotary_dim));
-                mark("attn_prep")?;
-                g.attn_prep_rows(&sc.proj, ldp, qn, kn, segs, dims, theta, eps, &mut sc.qb, (&ta, &tb))?;
-                mark("attn_flash")?;
-                g.flash_prefill(&sc.qb, (&ta, &tb), &sc.proj, ldp, segs, (nh, nkv, hd), &mut sc.xb)?;
-                mark("attn_o_proj (gemm)")?;
-                g.gemm_q4(o, &sc.xb, n, &mut sc.x, h, true)?;
-            }
-        }
-        let held = routes.as_deref_mut().map(|r| Routes::Log(&mut r[li]));
-        let next = m.layers.get(li + 1).map(|l| &l.in_norm);
-        moe_rows(m, li, sc, n, m.prefill_experts(n), held, next, mark)?;
-    }
-    Ok(())
-}
-
-/// How the MoE block's router and expert products run: router_rows and tensor-core GEMMs over 64-token tiles (long
-/// prefill passes), or router_seqs and the streamed few-token kernels of moe_seqs.cu over the few tokens each expert
-/// gets (decode batches, passes of at most [`STREAM_MAX_TOKENS`]; f32 activations in `act`, `[n * (k + 1), max(I,
-/// Is)]`).
-pub(crate) enum MoeExperts {
-    Gemm,
-    Streamed,
-}
-
-/// A prefill pass of at most this many tokens takes the streamed expert kernels where the model's shapes allow
-/// ([`DeviceModel::streamed_moe`]): with a few pairs per routed expert the grouped GEMMs' 64-token tiles are mostly
-/// empty (a 256-token pass: 0.34 ms a layer for gate|up, measured), while the streamed kernels read each expert once
-/// per 8 pairs. The same line splits the dense GEMMs' K ([`gemm_split`]). The line is where the two meet on the
-/// H200 (TTFT of one prompt, streamed / GEMM: 384 tokens 32.4 / 43.7 ms, 512 37.0 / 48.9, 768 51.0 / 53.2, 1,024
-/// 64.8 / 60.5). `TERN_STREAM_MAX_TOKENS` moves the experts' line for that A/B, not the GEMMs' split.
-pub const STREAM_MAX_TOKENS: usize = 768;
-
-impl DeviceModel {
-    /// Whether the streamed router and expert kernels take this model's shapes: sizes in multiples of their group
-    /// sizes (powers of two >= 32), a router of at most 2,048 columns (the model's shapes); other shapes take
-    /// router_rows and the GEMMs.
-    pub(crate) fn streamed_moe(&self) -> bool {
-        let c = &self.config;
-        self.layers.iter().all(|l| {
-            let sizes = [c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size];
-            let fits = |gs: usize| gs >= 32 && gs.is_power_of_two() && sizes.iter().all(|v| v % gs == 0);
-            fits(l.gate_up.gs) && fits(l.down.gs) && l.router.cols <= 2048 && l.router.gs.is_power_of_two()
-        })
-    }
-
-    /// The expert kernels of a prefill pass of `n` tokens (the line at [`STREAM_MAX_TOKENS`], or at
-    /// `TERN_STREAM_MAX_TOKENS` for the bench's A/B).
-    pub(crate) fn prefill_experts(&self, n: usize) -> MoeExperts {
-        static LINE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let env = || std::env::var("TERN_STREAM_MAX_TOKENS").ok().and_then(|v| v.parse().ok());
-        match n <= *LINE.get_or_init(|| env().unwrap_or(STREAM_MAX_TOKENS)) && self.streamed_moe() {
-            true => MoeExperts::Streamed,
-            false => MoeExperts::Gemm,
-        }
-    }
-}
-
-/// What a pass does with one layer's expert choices (tests): append the rows' routed experts to a log (`[n * k]`),
-/// or hold them to given ones (`[n * k]`: weighted by the router's softmax renormalised over them, as
-/// `tern_model::forward::route_forced`; the host computes the weights, so it is a slow path for tests).
-pub enum Routes<'a> {
-    Log(&'a mut Vec<usize>),
-    Hold(&'a [usize]),
-}
-
-/// The MoE block of layer `li` for the `n` rows of `sc.x` (residual added in place): post-norm, f32 router, top-k,
-/// the pairs sorted by expert, gate|up + SwiGLU and down products (`how`), combine. `routes` logs or holds the
-/// expert choices; `next_norm`, the gain of the RMSNorm that follows (the next layer's input norm or the final
-/// one), fuses that norm into the combine (x and `sc.xb` as the two launches leave them); `mark` names each kernel
-/// family before its launch (profiling).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn moe_rows(
-    m: &DeviceModel,
-    li: usize,
-    sc: &mut Scratch,
-    n: usize,
-    how: MoeExperts,
-    routes: Option<Routes>,
-    next_norm: Option<&CudaSlice<f32>>,
-    mark: &mut dyn FnMut(&'static str) -> Result<()>,
-) -> Result<()> {
-    let (g, c, l) = (&*m.gpu, &m.config, &m.layers[li]);
-    let (h, eps) = (c.hidden_size, c.rms_norm_eps);
-    let (k, e) = (c.num_experts_per_tok, c.num_experts);
-    let sizes = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
-    ensure!(l.router.rows == e + 1, "layer {li}: router rows {} != experts + 1", l.router.rows);
-    let tile = match how {
-        MoeExperts::Gemm => MOE_TILE,
-        MoeExperts::Streamed => stream_tile(n),
-    };
-    mark("rmsnorm")?;
-    g.rmsnorm_rows(&sc.x, n, &l.post_norm, eps, &mut sc.xb, Some(&mut sc.xn))?;
-    // the router goes with the experts: router_seqs with the streamed kernels (decode batches, passes of <= 256
-    // tokens: router_rows' 64 x 64 tiles took 4.3 of a 256-token prefill's 31 ms, mostly idle), router_rows with the
-    // GEMMs (at 4,096 tokens router_seqs took 18.7 ms against its 9.4: every 4-token block re-reads the weights)
-    match how {
-        MoeExperts::Streamed => {
-            mark("moe_router (seqs)")?;
-            g.router_seqs(&l.router, &sc.xn, n, &mut sc.rlogits)?;
-        }
-        MoeExperts::Gemm => {
-            mark("moe_router (f32)")?;
-            g.router_rows(&l.router, &sc.xn, n, &mut sc.rlogits)?;
-        }
-    }
-    mark("moe_topk+align")?;
-    // a decode batch of a few rows: the top-k and the align in one launch (not with held routes: they replace idx)
-    let fused = matches!(how, MoeExperts::Streamed)
-        && !matches!(routes, Some(Routes::Hold(_)))
-        && g.topk_align_fits(n, k, e, tile);
-    match fused {
-        true => g.topk_align_seqs(&sc.rlogits, e, k, n, tile, &mut sc.idx, &mut sc.wts, &mut sc.sorted)?,
-        false => g.topk_rows(&sc.rlogits, e, k, n, &mut sc.idx, &mut sc.wts)?,
-    }
-    match routes {
-        Some(Routes::Log(r)) => {
-            let idx = g.stream.clone_dtoh(&sc.idx.slice(..n * (k + 1)))?;
-            r.extend(idx.chunks_exact(k + 1).flat_map(|t| t[..k].iter().map(|&v| v as usize)));
-        }
-        Some(Routes::Hold(held)) => {
-            ensure!(
-                held.len() == n * k && held.iter().all(|&x| x < e),
-                "layer {li}: {} held expert ids for {n} rows of {k} (each < {e})",
-                held.len()
-            );
-            let logits = g.stream.clone_dtoh(&sc.rlogits.slice(..n * (e + 1)))?;
-            let (mut idx, mut wts) = (Vec::with_capacity(n * (k + 1)), Vec::with_capacity(n * (k + 1)));
-            for (t, row) in logits.chunks_exact(e + 1).enumerate() {
-                let rw = tern_model::forward::route_forced(&row[..e], &held[t * k..(t + 1) * k]);
-                idx.extend(rw.iter().map(|r| r.0 as i32).chain([e as i32]));
-                wts.extend(rw.iter().map(|r| r.1).chain([1.0 / (1.0 + (-row[e]).exp())]));
-            }
-            g.stream.memcpy_htod(&idx, &mut sc.idx.slice_mut(..n * (k + 1)))?;
-            g.stream.memcpy_htod(&wts, &mut sc.wts.slice_mut(..n * (k + 1)))?;
-        }
-        None => {}
-    }
-    if !fused {
-        g.moe_align(&sc.idx, n, k, e, tile, &mut sc.sorted)?;
-    }
-    match how {
-        MoeExperts::Gemm => {
-            mark("moe_gate_up (gemm)")?;
-            g.moe_gate_up_rows(&l.gate_up, e, sizes, h, &sc.xb, n, k, &sc.sorted, &mut sc.act)?;
-            mark("moe_down (gemm)")?;
-            g.moe_down_rows(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
-        }
-        MoeExperts::Streamed => {
-            mark("moe_gate_up (streamed)")?;
-            g.moe_gate_up_seqs(&l.gate_up, e, sizes, h, &sc.xb, &sc.sorted, &mut sc.act)?;
-            mark("moe_down (streamed)")?;
-            g.moe_down_seqs(&l.down, e, sizes, h, &sc.act, &sc.sorted, &mut sc.ybuf)?;
-        }
-    }
-    mark("moe_combine")?;
-    match next_norm {
-        Some(gain) => g.moe_combine_norm(&sc.ybuf, &sc.sorted, &sc.wts, &mut sc.x, gain, eps, &mut sc.xb, None),
-        None => g.moe_combine(&sc.ybuf, &sc.sorted, &sc.wts, h, &mut sc.x),
-    }
-}
-
-/// FLOPs of a prefill of `n` tokens after `pos0` cached ones (matrix products, the chunked GDN and attention;
-/// the lm_head for the last token only): the numerator of the compute ceiling.
-pub fn prefill_flops(c: &Config, m: &DeviceModel, pos0: usize, n: usize) -> f64 {
-    let (h, k) = (c.hidden_size as f64, c.num_experts_per_tok as f64);
-    let (i, is) = (c.moe_intermediate_size as f64, c.shared_expert_intermediate_size as f64);
-    let d = GdnDims::of(c);
-    let nf = n as f64;
-    let mut total = 0.0;
-    for (l, kind) in m.layers.iter().zip(&c.layer_types) {
-        total += match &l.mixer {
-            DMixer::Gdn { proj, out, .. } => 2.0 * nf * (proj.rows * proj.cols + out.rows * out.cols) as f64,
-            DMixer::Attn { qkv, o, .. } => 2.0 * nf * (qkv.rows * qkv.cols + o.rows * o.cols) as f64,
-        };
-        // router, routed and shared experts
-        total += 2.0 * nf * (l.router.rows as f64 * h + k * 3.0 * i * h + 3.0 * is * h);
-        total += match kind {
-            // per token and value head (multiply-adds): A and P rows 2*64*dk, the triangular solve 32*(dk+dv),
-            // [W;Q] S 2*dk*dv, the state update dk*dv, P D 32*dv
-            LayerKind::Linear => {
-                let (dk, dv) = (d.dk as f64, d.dv as f64);
-                2.0 * nf * d.hv as f64 * (128.0 * dk + 32.0 * (dk + dv) + 3.0 * dk * dv + 32.0 * dv)
-            }
-            LayerKind::Full => {
-                let keys = nf * pos0 as f64 + nf * (nf + 1.0) / 2.0;
-                4.0 * (c.num_attention_heads * c.head_dim) as f64 * keys
-            }
-        };
-    }
-    total + 2.0 * (m.lm_head.rows * m.lm_head.cols) as f64
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1444,20 +857,6 @@ mod tests {
         counts[..64].iter_mut().for_each(|c| *c = 1);
         assert_eq!(tiles(&counts, 8, 4), max_moe_tiles(8, 8, 256, 4));
         assert_eq!(max_moe_tiles(8, 8, 256, 4), 66);
-    }
-
-    /// A pass fits by its rows and by its sequences' own chunks of 64 (each sequence starts a new chunk).
-    #[test]
-    fn pass_fits_counts_rows_and_each_sequences_chunks() {
-        assert!(pass_fits(4096, [4096]));
-        assert!(!pass_fits(4096, [4097]));
-        assert!(pass_fits(4096, [80; 32]), "2,560 rows in 64 chunks");
-        assert!(!pass_fits(4096, [80; 33]), "2,640 rows but 66 chunks");
-        assert!(pass_fits(4096, [64; 64]));
-        assert!(!pass_fits(4096, [65, 4000]), "4,065 rows in 2 + 63 chunks");
-        assert!(pass_fits(100, [1, 1]), "a chunk of 100 rows has room for 2 chunks");
-        assert!(!pass_fits(100, [1, 1, 1]));
-        assert_eq!((pass_chunks(1), pass_chunks(64), pass_chunks(65)), (1, 1, 2));
     }
 
     /// The dense GEMM splits K only for short, wide weights, by shape alone, within a cluster.

@@ -333,16 +333,17 @@ impl Gpu {
         ensure!(b <= i32::MAX as usize, "sample_rows: {b} rows");
         ensure!(logits.len() >= b * vocab, "sample_rows: {} logits for {b} rows of {vocab}", logits.len());
         let mut guard = self.sampler.lock().map_err(|_| anyhow::anyhow!("sampler buffers poisoned"))?;
-        if guard.as_ref().is_none_or(|s| s.words.len() < words.len() || s.out.len() < b) {
+        let held = guard.as_ref().and_then(|s| s.downcast_ref::<SampleScratch>());
+        if held.is_none_or(|s| s.words.len() < words.len() || s.out.len() < b) {
             let (nw, no) = (words.len().next_power_of_two().max(4096), b.next_power_of_two().max(64));
-            *guard = Some(SampleScratch {
+            *guard = Some(Box::new(SampleScratch {
                 words: self.zeros(nw)?,
                 out: self.zeros(no)?,
                 pre: self.zeros(PRE_BYTES)?,
                 keys: self.zeros(no)?,
-            });
+            }));
         }
-        let sc = guard.as_mut().context("sampler buffers")?;
+        let sc = guard.as_mut().and_then(|s| s.downcast_mut::<SampleScratch>()).context("sampler buffers")?;
         self.stream.memcpy_htod(&words, &mut sc.words.slice_mut(..words.len()))?;
         let ld = vocab as i64;
         let base = sc.words.device_ptr(&self.stream).0;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::{sys, CudaGraph, CudaSlice};
 use tern_model::{Config, Weights};
 
@@ -46,6 +46,9 @@ pub struct DeviceState {
     /// ready flag for moe_gate_up (cleared by moe_down).
     pub counter: CudaSlice<u32>,
     pub layers: Vec<LState>,
+    /// The MTP block's K and V rows, when the model has one (read one position behind nothing: the block's row at
+    /// position p pairs the main model's hidden state at p with the token at p + 1).
+    pub mtp: Option<LState>,
     /// The device position counter `pos` is behind `len` (a batched step advanced the sequence without it): the
     /// batch-1 graph writes it before its next step.
     pub pos_stale: bool,
@@ -72,6 +75,18 @@ impl Profile {
             }
             None => self.ops.push((name.to_string(), ms, 1)),
         }
+    }
+
+    /// Add the time between each event and the next to the family named at the first (an empty name: a closing
+    /// event, not a family).
+    pub fn add_events(&mut self, events: &[(&'static str, cudarc::driver::CudaEvent)]) -> anyhow::Result<()> {
+        for w in events.windows(2) {
+            let ((name, a), (_, b)) = (&w[0], &w[1]);
+            if !name.is_empty() {
+                self.add(name, a.elapsed_ms(b)? as f64);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -150,13 +165,33 @@ impl StateBytes {
 }
 
 impl DeviceState {
+    /// Per layer of `m`, this sequence's state as the pass tables hold it: the GDN conv ring and recurrent state, or
+    /// the attention K and V caches ([`crate::workspace::PassTables::set_states`]).
+    pub(crate) fn layer_ptrs(&self, m: &DeviceModel) -> Result<Vec<(u64, u64)>> {
+        ensure!(self.layers.len() == m.layers.len(), "a sequence of another model");
+        m.layers
+            .iter()
+            .zip(&self.layers)
+            .enumerate()
+            .map(|(li, (l, ls))| match (&l.mixer, ls) {
+                (DMixer::Gdn { .. }, LState::Gdn { ring, s }) => Ok((ring.ptr, s.ptr)),
+                (DMixer::Attn { .. }, LState::Attn { k, v }) => Ok((k.ptr, v.ptr)),
+                _ => bail!("layer {li}: state does not match the model's layer kind"),
+            })
+            .collect()
+    }
+}
+
+impl DeviceState {
     /// Where a sequence of capacity `max_ctx` keeps its state in its pages.
     pub fn layout(m: &DeviceModel, max_ctx: usize) -> Layout {
         let n = StateLens::of(m, max_ctx);
         let c = &m.config;
         let attn = m.layers.iter().filter(|l| matches!(l.mixer, DMixer::Attn { .. })).count();
         let row = c.num_key_value_heads * c.head_dim * 2;
-        Layout::new(m.pool.page_bytes(), m.layers.len() - attn, (n.ring, n.s), attn, row, max_ctx)
+        let gdn = m.layers.len() - attn;
+        // the MTP block's K/V: one more attention region, after the main layers'
+        Layout::new(m.pool.page_bytes(), gdn, (n.ring, n.s), attn + m.mtp.is_some() as usize, row, max_ctx)
     }
 
     /// The device memory a sequence with room for `tokens` takes (of capacity `max_ctx`): the pages it maps and
@@ -215,6 +250,13 @@ impl DeviceState {
                 }
             });
         }
+        let mtp = match &m.mtp {
+            Some(_) => {
+                let (k, v) = *mem.layout.kv.get(ai).context("layout: the MTP block's K/V")?;
+                Some(LState::Attn { k: mem.buf(k, kv), v: mem.buf(v, kv) })
+            }
+            None => None,
+        };
         Ok(DeviceState {
             max_ctx,
             room,
@@ -236,6 +278,7 @@ impl DeviceState {
             api: g.zeros(n.nb)?,
             counter: g.zeros(crate::gpu::MOE_COUNTER_LEN)?,
             layers,
+            mtp,
             pos_stale: false,
             route_log: None,
             graph: None,
@@ -467,17 +510,19 @@ pub struct CudaOptions {
     pub max_context: usize,
     /// Tokens one prefill pass reads at most (longer reads go in chunks of this many).
     pub prefill_chunk: usize,
-    /// Decode items of a step (one token each) go through one batched pass ([`crate::batch`]) when there are two or
-    /// more, and the prompt chunks of a step through one multi-sequence prefill; otherwise each through its own
-    /// batch-1 graph or prefill. Default: on; `TERN_BATCH_DECODE=0` turns it off.
+    /// A step's items go through one forward pass ([`crate::DeviceModel::forward_seqs`]) when there are two or more;
+    /// otherwise (or with this off: tests compare the two) each through its own batch-1 graph or prefill. Default: on.
     pub batched_decode: bool,
     /// Draws other than plain greedy run on the device ([`crate::sample`]): only the ids and asked-for logprobs
-    /// cross to the host. Default: on; `TERN_GPU_SAMPLING=0` turns it off.
+    /// cross to the host. Default: on (tests compare it with the host sampler).
     pub gpu_sampling: bool,
     /// Bytes of device memory for sequence state (the page pool: KV caches and recurrent states of running
     /// sequences and prefix-cache snapshots). `None`: what is free once the weights are up, less
     /// [`STATE_MEMORY_MARGIN`] (the prefill and batched-pass buffers, graphs and step buffers come from there).
     pub state_memory: Option<usize>,
+    /// Speculative decoding with the model's MTP block, when it has one ([`tern_engine::Backend::max_drafts`]):
+    /// every sequence keeps the block's K/V in step and every item goes through the one-forward pass. Default: off.
+    pub speculative: bool,
 }
 
 /// Device memory left outside the state pool by default (see [`CudaOptions::state_memory`]).
@@ -488,9 +533,10 @@ impl Default for CudaOptions {
         CudaOptions {
             max_context: 8192,
             prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
-            batched_decode: std::env::var("TERN_BATCH_DECODE").map_or(true, |v| v != "0"),
-            gpu_sampling: std::env::var("TERN_GPU_SAMPLING").map_or(true, |v| v != "0"),
+            batched_decode: true,
+            gpu_sampling: true,
             state_memory: None,
+            speculative: false,
         }
     }
 }
@@ -550,7 +596,8 @@ impl CudaBackend {
     /// A new sequence with room for `tokens` (its pages mapped now; [`crate::pool::PoolFull`] without room).
     pub fn new_cuda_sequence_for(&self, tokens: usize) -> Result<CudaSequence> {
         let st = DeviceState::with_room(&self.model, self.opts.max_context, tokens)?;
-        Ok(CudaSequence { model: self.model.clone(), st, gpu_sampling: self.opts.gpu_sampling })
+        let mtp = (self.opts.speculative && self.model.mtp.is_some()).then(MtpSeq::default);
+        Ok(CudaSequence { model: self.model.clone(), st, gpu_sampling: self.opts.gpu_sampling, mtp })
     }
 
     /// The most tokens one sequence could hold in the whole pool (its recurrent state included).
@@ -567,6 +614,17 @@ pub struct CudaSequence {
     pub st: DeviceState,
     /// [`CudaOptions::gpu_sampling`] of the backend that made it.
     pub gpu_sampling: bool,
+    /// With speculative decoding: where the MTP block's K/V stands (`None`: not drafting for this sequence).
+    pub mtp: Option<MtpSeq>,
+}
+
+/// The MTP block's side of a sequence: its K/V holds positions `0..len`, one fewer than the sequence once it has
+/// read anything (the row of position p pairs the hidden state at p with the token at p + 1), and `pending` is the
+/// main model's post-norm hidden state of the last position read, waiting for the token after it.
+#[derive(Default)]
+pub struct MtpSeq {
+    pub len: usize,
+    pub pending: Option<CudaSlice<f32>>,
 }
 
 // SAFETY: the CUDA graph inside DeviceState is only touched through `&mut self` (one thread at a time); device

@@ -8,7 +8,8 @@
 //! Without a CUDA device each test prints `NO GPU: <name> not run ...` and passes; `TERN_REQUIRE_CUDA=1` turns
 //! that into a failure.
 
-use tern_cuda::batch::{Draw, RowWant, StepRoutes, MAX_SEQS};
+use tern_cuda::batch::MAX_SEQS;
+use tern_cuda::forward::{Draw, RowWant, StepRoutes};
 use tern_cuda::sample::{sample_reference, SampleBatch};
 use tern_cuda::seq::CudaOptions;
 use tern_cuda::{gpu_or_skip, CudaBackend, CudaSlots, DeviceState};
@@ -195,6 +196,139 @@ fn batched_decode_full_shape() {
         );
         assert_eq!(seen.rows, b * steps, "full shape: rows held alike");
         assert!(max <= yx && seen.same == seen.decided, "full shape, batch of {b}: median {med} max {max}");
+    }
+}
+
+/// One forward pass mixing decode rows and prompt chunks ([`tern_cuda::DeviceModel::forward_seqs`]): 16 decodes at
+/// different positions and 3 prompt chunks of different lengths (5, 64 and 130 tokens, one into an empty sequence),
+/// interleaved in the item list, against each sequence alone (a decode through the batch-1 graph, a chunk through the
+/// one-sequence prefill): each item's last-row logits within transformers' bf16-vs-f32 distance and greedy ids equal
+/// where the top-2 gap exceeds 2%, over the items routed alike in every row (tiny-b), or with the routing held to
+/// what the sequences alone chose (the full shape, whose random routers have near ties everywhere); then a decode-only
+/// pass over all 19 sequences against the batch-1 graph again, so the mixed pass left every state as alone.
+#[test]
+fn mixed_step_matches_each_sequence_alone() {
+    let Some(_g) = gpu_or_skip("mixed_step_matches_each_sequence_alone") else { return };
+    let tiny = CudaBackend::new(&tiny_b_q4(), CudaOptions::with_context(512)).unwrap();
+    let full = CudaBackend::random(&full_config(), 5, CudaOptions::with_context(512)).unwrap();
+    let (ym, yx) = yardstick();
+    for (name, be, hold) in [("tiny-b", &tiny, false), ("full shape", &full, true)] {
+        let m = &be.model;
+        let (v, k, layers) = (m.config.vocab_size, m.config.num_experts_per_tok, m.config.num_layers());
+        let log_len = layers * (k + 1);
+        // items 0..19: chunks at 2 (5 tokens), 9 (64 tokens, an empty sequence) and 17 (130 tokens)
+        let chunk_len = |i: usize| match i {
+            2 => Some(5),
+            9 => Some(64),
+            17 => Some(130),
+            _ => None,
+        };
+        let n = 19;
+        let (mut mixed, mut alone) = (Vec::new(), Vec::new());
+        for i in 0..n {
+            let mut st = be.new_cuda_sequence().unwrap().st;
+            if i != 9 {
+                st.prefill(m, &prompt(i as u64, 1 + (i * 37) % 150, v), false, false).unwrap();
+            }
+            let mut twin = st.fork(m, usize::MAX).unwrap();
+            twin.route_log = Some(m.gpu.zeros::<i32>(log_len).unwrap());
+            alone.push(twin);
+            mixed.push(st);
+        }
+        let ids: Vec<Vec<u32>> = (0..n)
+            .map(|i| match chunk_len(i) {
+                Some(c) => prompt(100 + i as u64, c, v),
+                None => vec![(i * 7919 % v) as u32],
+            })
+            .collect();
+        // alone: logits of each item's last row, and every row's routed experts per layer
+        let mut la = Vec::new();
+        let mut ra: Vec<Vec<Vec<usize>>> = Vec::new();
+        for (i, st) in alone.iter_mut().enumerate() {
+            if chunk_len(i).is_some() {
+                let out = st.prefill(m, &ids[i], true, true).unwrap();
+                la.push(out.logits[(ids[i].len() - 1) * v..].to_vec());
+                ra.push(out.routes);
+            } else {
+                st.set_token(&m.gpu, ids[i][0]).unwrap();
+                st.step_graph(m).unwrap();
+                la.push(m.gpu.download(&st.logits).unwrap());
+                ra.push(logged_routes(be, st));
+            }
+        }
+        // the pass's row order: the chunks' rows, then the decode rows (items in order within each)
+        let order: Vec<usize> =
+            (0..n).filter(|&i| chunk_len(i).is_some()).chain((0..n).filter(|&i| chunk_len(i).is_none())).collect();
+        let mut routes: Vec<Vec<usize>> = vec![Vec::new(); layers];
+        if hold {
+            routes = (0..layers).map(|li| order.iter().flat_map(|&i| ra[i][li].iter().copied()).collect()).collect();
+        }
+        let want = vec![RowWant { logits: true, draw: Draw::Argmax(v) }; n];
+        let refs: Vec<&[u32]> = ids.iter().map(|c| c.as_slice()).collect();
+        let rows = {
+            let mut mrefs: Vec<&mut DeviceState> = mixed.iter_mut().collect();
+            let ctl = if hold { StepRoutes::Hold(&routes) } else { StepRoutes::Log(&mut routes) };
+            m.forward_profiled(&mut mrefs, &refs, &want, None, Some(ctl), true).unwrap()
+        };
+        // which items were routed alike in every row (held: all)
+        let mut alike = vec![true; n];
+        let mut r0 = 0;
+        for &i in &order {
+            let len = ids[i].len();
+            alike[i] = (0..layers).all(|li| routes[li][r0 * k..(r0 + len) * k] == ra[i][li][..len * k]);
+            r0 += len;
+        }
+        let (mut dist, mut decided, mut same) = (Vec::new(), 0, 0);
+        for (i, row) in rows.iter().enumerate() {
+            let (l, t) = (row.logits.as_ref().unwrap(), row.token.as_ref().unwrap().as_ref().unwrap());
+            assert_eq!(t.token as usize, argmax(l), "{name} item {i}: the device's greedy draw vs its logits");
+            assert_eq!(mixed[i].len, alone[i].len, "{name} item {i}: lengths");
+            if !alike[i] {
+                continue;
+            }
+            dist.push(rel(l, &la[i]));
+            if top2_gap(&la[i]) > 0.02 {
+                decided += 1;
+                same += (argmax(l) == argmax(&la[i])) as usize;
+            }
+        }
+        let alike_n = alike.iter().filter(|&&a| a).count();
+        let (med, max) = (pct(&dist, 0.5), pct(&dist, 1.0));
+        println!(
+            "{name}: one pass of 16 decodes + chunks of 5 / 64 / 130 tokens, {alike_n} of {n} items routed alike: \
+             logits vs alone median {med:.2e} max {max:.2e} (transformers bf16 vs f32: {ym:.2e} / {yx:.2e}); greedy \
+             ids equal where the top-2 gap > 2%: {same}/{decided}"
+        );
+        assert!(alike_n >= n / 2, "{name}: only {alike_n} of {n} items routed alike");
+        assert!(med <= ym && max <= yx, "{name}: the mixed pass's logits farther from alone than bf16 rounding");
+        assert!(same == decided, "{name}: greedy ids differ");
+        // then every sequence decodes one token in a decode-only pass: the states the mixed pass left behind
+        let next: Vec<u32> = la.iter().map(|l| argmax(l) as u32).collect();
+        let mut la2 = Vec::new();
+        let mut ra2 = Vec::new();
+        for (st, &id) in alone.iter_mut().zip(&next) {
+            st.set_token(&m.gpu, id).unwrap();
+            st.step_graph(m).unwrap();
+            la2.push(m.gpu.download(&st.logits).unwrap());
+            ra2.push(logged_routes(be, st));
+        }
+        let mut routes2: Vec<Vec<usize>> =
+            (0..layers).map(|li| ra2.iter().flat_map(|r: &Vec<Vec<usize>>| r[li].iter().copied()).collect()).collect();
+        let rows2 = {
+            let mut mrefs: Vec<&mut DeviceState> = mixed.iter_mut().collect();
+            let ctl = if hold { StepRoutes::Hold(&routes2) } else { StepRoutes::Log(&mut routes2) };
+            m.decode_seqs_profiled(&mut mrefs, &next, &want, None, Some(ctl)).unwrap()
+        };
+        let mut dist2 = Vec::new();
+        for (i, row) in rows2.iter().enumerate() {
+            let routed_alike = hold || (0..layers).all(|li| routes2[li][i * k..(i + 1) * k] == ra2[i][li][..]);
+            if alike[i] && routed_alike {
+                dist2.push(rel(row.logits.as_ref().unwrap(), &la2[i]));
+            }
+        }
+        let (med2, max2) = (pct(&dist2, 0.5), pct(&dist2, 1.0));
+        println!("  then a decode-only pass over all 19: {} compared, median {med2:.2e} max {max2:.2e}", dist2.len());
+        assert!(dist2.len() >= n / 2 && med2 <= ym && max2 <= yx, "{name}: the states after the mixed pass");
     }
 }
 
@@ -509,4 +643,220 @@ fn batched_graph_equals_launches() {
     }
     set(true);
     println!("batched pass as a graph = launched one by one, bit for bit: {steps} steps of 2-3 of 5 sequences");
+}
+
+/// Speculative verify rows in one forward pass ([`tern_cuda::DeviceModel::forward_items`]): three sequences (one
+/// empty, two at positions 20 and 70) each read a token and three drafts as verify rows beside a fourth sequence's
+/// decode row. Against the same tokens decoded one by one (decode passes; the verify pass holds the experts those
+/// chose, so every row is compared): every row's logits within transformers' bf16-vs-f32 distance, greedy ids equal
+/// where the top-2 gap exceeds 2%. Then the pass keeps 1, 3 and 4 of the rows, and the sequences go on as copies that
+/// decoded only the kept tokens: the next three decode passes' logits within the same bound (a commit of the wrong
+/// rows, GDN state or conv inputs is far outside it). And the verify pass as a captured graph equals its launches one
+/// by one, bit for bit.
+#[test]
+fn verify_rows_match_decoding_and_keep_the_accepted_rows() {
+    use tern_cuda::forward::{ItemWant, RowOut};
+    let Some(_g) = gpu_or_skip("verify_rows_match_decoding_and_keep_the_accepted_rows") else { return };
+    let tiny = CudaBackend::new(&tiny_b_q4(), CudaOptions::with_context(512)).unwrap();
+    let full = CudaBackend::random(&full_config(), 7, CudaOptions::with_context(512)).unwrap();
+    let (ym, yx) = yardstick();
+    for (name, be) in [("tiny-b", &tiny), ("full shape", &full)] {
+        let m = &be.model;
+        let (v, k, layers) = (m.config.vocab_size, m.config.num_experts_per_tok, m.config.num_layers());
+        let (rows_per, kept, lens) = (4usize, [1usize, 3, 4], [0usize, 20, 70, 33]);
+        let want1 = RowWant { logits: true, draw: Draw::Argmax(v) };
+        let fresh = |i: usize| {
+            let mut st = be.new_cuda_sequence().unwrap().st;
+            if lens[i] > 0 {
+                st.prefill(m, &prompt(i as u64, lens[i], v), false, false).unwrap();
+            }
+            st
+        };
+        // V verifies, B decodes every token one by one (its logits are the rows'), C decodes only the kept tokens
+        let mut vs: Vec<DeviceState> = (0..4).map(fresh).collect();
+        let mut bs: Vec<DeviceState> = vs.iter().map(|s| s.fork(m, usize::MAX).unwrap()).collect();
+        let mut cs: Vec<DeviceState> = vs[..3].iter().map(|s| s.fork(m, usize::MAX).unwrap()).collect();
+        let mut gs: Vec<DeviceState> = vs.iter().map(|s| s.fork(m, usize::MAX).unwrap()).collect();
+        let mut ls: Vec<DeviceState> = vs.iter().map(|s| s.fork(m, usize::MAX).unwrap()).collect();
+        let toks: Vec<Vec<u32>> = (0..4).map(|i| prompt(200 + i as u64, if i < 3 { rows_per } else { 1 }, v)).collect();
+        // per sequence, per row: B's logits and experts per layer
+        let mut lb: Vec<Vec<Vec<f32>>> = vec![vec![]; 4];
+        let mut rb: Vec<Vec<Vec<Vec<usize>>>> = vec![vec![]; 4];
+        for j in 0..rows_per {
+            let live: Vec<usize> = (0..4).filter(|&i| j < toks[i].len()).collect();
+            let mut refs: Vec<&mut DeviceState> =
+                bs.iter_mut().enumerate().filter(|(i, _)| live.contains(i)).map(|(_, s)| s).collect();
+            let ids: Vec<u32> = live.iter().map(|&i| toks[i][j]).collect();
+            let mut routes = vec![Vec::new(); layers];
+            let want = vec![want1; live.len()];
+            let rows =
+                m.decode_seqs_profiled(&mut refs, &ids, &want, None, Some(StepRoutes::Log(&mut routes))).unwrap();
+            for (r, (&i, row)) in live.iter().zip(rows).enumerate() {
+                lb[i].push(row.logits.unwrap());
+                rb[i].push((0..layers).map(|li| routes[li][r * k..(r + 1) * k].to_vec()).collect());
+            }
+        }
+        // the pass's rows: the decode row (item 3), then the verify rows of items 0, 1, 2
+        let order = [3usize, 0, 1, 2];
+        let held: Vec<Vec<usize>> = (0..layers)
+            .map(|li| order.iter().flat_map(|&i| rb[i].iter().flat_map(move |r| r[li].iter().copied())).collect())
+            .collect();
+        let items: Vec<ItemWant> = (0..4)
+            .map(|i| if i < 3 { ItemWant::Verify(vec![want1; rows_per]) } else { ItemWant::Last(want1) })
+            .collect();
+        let refs: Vec<&[u32]> = toks.iter().map(|x| x.as_slice()).collect();
+        let mut asked = Vec::new();
+        let out = {
+            let mut mrefs: Vec<&mut DeviceState> = vs.iter_mut().collect();
+            let mut accept = |i: usize, rows: &[RowOut]| -> anyhow::Result<usize> {
+                asked.push((i, rows.len()));
+                Ok(kept[i])
+            };
+            m.forward_items(&mut mrefs, &refs, &items, None, Some(StepRoutes::Hold(&held)), true, false, &mut accept)
+                .unwrap()
+                .rows
+        };
+        asked.sort();
+        assert_eq!(asked, vec![(0, rows_per), (1, rows_per), (2, rows_per)], "{name}: accept asked per verify");
+        let (mut dist, mut decided, mut same) = (Vec::new(), 0, 0);
+        for i in 0..4 {
+            assert_eq!(out[i].len(), toks[i].len(), "{name} item {i}: rows returned");
+            for (j, row) in out[i].iter().enumerate() {
+                let (l, t) = (row.logits.as_ref().unwrap(), row.token.as_ref().unwrap().as_ref().unwrap());
+                assert_eq!(t.token as usize, argmax(l), "{name} item {i} row {j}: the greedy draw vs its logits");
+                dist.push(rel(l, &lb[i][j]));
+                if top2_gap(&lb[i][j]) > 0.02 {
+                    decided += 1;
+                    same += (argmax(l) == argmax(&lb[i][j])) as usize;
+                }
+            }
+        }
+        let (med, max) = (pct(&dist, 0.5), pct(&dist, 1.0));
+        println!(
+            "{name}: a pass of one decode row and 3 verifies of 4 rows, routing held: logits vs decoding one by one \
+             median {med:.2e} max {max:.2e} (transformers bf16 vs f32: {ym:.2e} / {yx:.2e}); greedy ids equal where \
+             the top-2 gap > 2%: {same}/{decided}"
+        );
+        assert!(med <= ym && max <= yx && same == decided, "{name}: verify rows differ from decoding");
+        for i in 0..3 {
+            assert_eq!(vs[i].len, lens[i] + kept[i], "{name}: sequence {i} holds its kept rows");
+        }
+        assert_eq!(vs[3].len, lens[3] + 1, "{name}: the decode row");
+        // C decodes the kept tokens; then V and C decode three more tokens each (V holds C's experts)
+        for (i, c) in cs.iter_mut().enumerate() {
+            for &tok in &toks[i][..kept[i]] {
+                m.decode_seqs(&mut [&mut *c], &[tok], &[want1]).unwrap();
+            }
+        }
+        let mut after = Vec::new();
+        for step in 0..3 {
+            let ids: Vec<u32> = (0..3).map(|i| ((step * 131 + i * 977 + 11) % v) as u32).collect();
+            let mut routes = vec![Vec::new(); layers];
+            let lc = {
+                let mut refs: Vec<&mut DeviceState> = cs.iter_mut().collect();
+                let ctl = Some(StepRoutes::Log(&mut routes));
+                m.decode_seqs_profiled(&mut refs, &ids, &[want1; 3], None, ctl).unwrap()
+            };
+            let lv = {
+                let mut refs: Vec<&mut DeviceState> = vs[..3].iter_mut().collect();
+                m.decode_seqs_profiled(&mut refs, &ids, &[want1; 3], None, Some(StepRoutes::Hold(&routes))).unwrap()
+            };
+            for (a, b) in lv.iter().zip(&lc) {
+                after.push(rel(a.logits.as_ref().unwrap(), b.logits.as_ref().unwrap()));
+            }
+        }
+        let (med, max) = (pct(&after, 0.5), pct(&after, 1.0));
+        println!("  then 3 decode passes after keeping 1 / 3 / 4 rows: logits vs the kept tokens decoded alone median {med:.2e} max {max:.2e}");
+        assert!(med <= ym && max <= yx, "{name}: the state after the commit differs from decoding the kept tokens");
+        // the same verify pass as a captured graph and launched one by one
+        let mut outs = Vec::new();
+        for (states, graphs) in [(&mut gs, true), (&mut ls, false)] {
+            m.prefill.lock().unwrap().graphs = graphs;
+            let mut mrefs: Vec<&mut DeviceState> = states.iter_mut().collect();
+            let mut accept = |i: usize, _: &[RowOut]| -> anyhow::Result<usize> { Ok(kept[i]) };
+            let o = m.forward_items(&mut mrefs, &refs, &items, None, None, true, false, &mut accept).unwrap().rows;
+            assert_eq!(m.prefill.lock().unwrap().graphs, graphs, "{name}: a capture failed and turned graphs off");
+            outs.push(o);
+        }
+        for (a, b) in outs[0].iter().flatten().zip(outs[1].iter().flatten()) {
+            assert_eq!(a.logits, b.logits, "{name}: the verify pass as a graph vs launched one by one");
+        }
+        let ids: Vec<u32> = (0..4).map(|i| (i * 31 + 5) as u32).collect();
+        let mut next: Vec<Vec<RowOut>> = Vec::new();
+        for states in [&mut gs, &mut ls] {
+            let mut refs: Vec<&mut DeviceState> = states.iter_mut().collect();
+            next.push(m.decode_seqs(&mut refs, &ids, &[want1; 4]).unwrap());
+        }
+        for (a, b) in next[0].iter().zip(&next[1]) {
+            assert_eq!(a.logits, b.logits, "{name}: after the graphed and launched verifies");
+        }
+        println!("  the verify pass as a graph = launched one by one, and the decode after it, bit for bit");
+    }
+}
+
+/// Speculative decoding through the backend seam (`CudaOptions::speculative`: verify rows in the one-forward pass,
+/// the MTP block on the device) on a constructed checkpoint whose MTP block agrees with the model a chosen fraction
+/// of the time (`tern random-model --mtp-accept 0.8,0.5375`, mlx 4-bit, tiny-mtp-a's layout at width 512): for five
+/// prompts, 60 greedy tokens with 3 drafts a step are the tokens of plain greedy decoding (the batch-1 graph), one
+/// for one; the first drafts are right about 80% of the time and a step yields more than one token on average.
+#[test]
+fn speculative_greedy_equals_plain_on_the_device() {
+    use tern_engine::Verify;
+    use tern_model::random::MtpAccept;
+    let Some(_g) = gpu_or_skip("speculative_greedy_equals_plain_on_the_device") else { return };
+    let accept: MtpAccept = "0.8,0.5375".parse().unwrap();
+    let w = mtp_model_q4(512, 2048, Some(accept), 5);
+    let opts = CudaOptions::with_context(256);
+    let be = CudaBackend::new(&w, opts).unwrap();
+    let spec = CudaSlots::new(CudaBackend { model: be.model.clone(), opts: CudaOptions { speculative: true, ..opts } });
+    let plain = CudaSlots::new(be);
+    assert_eq!((plain.max_drafts(), spec.max_drafts()), (0, 4));
+    let greedy = SamplingParams { temperature: 0.0, ..SamplingParams::default() };
+    let v = plain.vocab_size();
+    let s = || Sample { params: &greedy, seed: 0, history: &[], top_logprobs: None, limit: v, mask: None };
+    let (k, n) = (3usize, 60usize);
+    let (mut steps, mut tokens, mut first, mut first_right) = (0usize, 0usize, 0usize, 0usize);
+    for p in 0..5u64 {
+        let prompt = prompt(p, 5 + 9 * p as usize, v);
+        // plain: device argmax through the batch-1 graph
+        let seq = plain.alloc(prompt.len() + n + 1).unwrap();
+        let mut want = Vec::new();
+        let mut ids = prompt.clone();
+        for _ in 0..n {
+            let out = plain.step(&[Work { seq, ids: &ids, out: Want::Sample(s()) }]).pop().unwrap().unwrap();
+            let Output::Token(t) = out else { panic!("plain: {out:?}") };
+            want.push(t.token);
+            ids = vec![t.token];
+        }
+        plain.free(seq);
+        // speculative: the prompt with one draw and k drafts, then verifies of the last token and its drafts
+        let seq = spec.alloc(prompt.len() + n + 2 * (k + 1)).unwrap();
+        let mut got: Vec<u32> = Vec::new();
+        let mut ids = prompt.clone();
+        let mut draws = 1;
+        while got.len() < n {
+            let out = Want::Verify(Verify { draws: (0..draws).map(|_| s()).collect(), drafts: k });
+            let r = spec.step(&[Work { seq, ids: &ids, out }]).pop().unwrap().unwrap();
+            let Output::Drafted { tokens: t, drafts } = r else { panic!("speculative: {r:?}") };
+            if draws > 1 {
+                steps += 1;
+                tokens += t.len();
+                first += 1;
+                first_right += (t.len() > 1) as usize;
+            }
+            got.extend(t.iter().map(|s| s.token));
+            assert!(drafts.len() <= k, "{} drafts for {k} asked", drafts.len());
+            ids = std::iter::once(got[got.len() - 1]).chain(drafts).collect();
+            draws = ids.len();
+        }
+        spec.free(seq);
+        got.truncate(n);
+        assert_eq!(got, want, "prompt {p}: speculative greedy differs from plain greedy");
+    }
+    let (per_step, rate) = (tokens as f64 / steps as f64, first_right as f64 / first as f64);
+    println!(
+        "speculative greedy on the device = plain greedy, 5 prompts x {n} tokens; {per_step:.2} tokens a verify step, \
+         first drafts right {rate:.2} (asked 0.80)"
+    );
+    assert!(per_step > 1.5 && (0.65..=0.95).contains(&rate), "drafting on the device: {per_step} {rate}");
 }

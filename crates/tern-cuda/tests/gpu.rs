@@ -97,7 +97,8 @@ fn decode_step_matches_cpu_forward_on_tiny_b() {
         }
         if t == 100 {
             let copy = seq.st.fork(&be.model, usize::MAX).unwrap();
-            fork_at = Some((CudaSequence { model: seq.model.clone(), st: copy, gpu_sampling: false }, st.clone()));
+            fork_at =
+                Some((CudaSequence { model: seq.model.clone(), st: copy, gpu_sampling: false, mtp: None }, st.clone()));
         }
     }
     errs.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap());

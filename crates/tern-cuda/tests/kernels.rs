@@ -146,7 +146,7 @@ fn gdn_step_seqs_equals_gdn_step() {
             let dproj = g.upload(&proj).unwrap();
             let mut out = g.zeros::<u16>(n * vd).unwrap();
             let tables = (&ta.slice(..), &tb.slice(..), &posv);
-            g.gdn_step_seqs(&dproj, ldp, conv, a_log, dt_bias, tables, n, norm, eps, d, &mut out).unwrap();
+            g.gdn_step_seqs(&dproj, ldp, 0, conv, a_log, dt_bias, tables, n, norm, eps, d, &mut out).unwrap();
             let got: Vec<f32> =
                 g.download(&out).unwrap().into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect();
             worst_out = worst_out.max(got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
@@ -161,6 +161,173 @@ fn gdn_step_seqs_equals_gdn_step() {
              |out diff| {worst_out:e} against gdn_step"
         );
         assert!(worst_state == 0.0 && worst_out == 0.0, "{name}: gdn_step_seqs differs from gdn_step");
+    }
+}
+
+/// A speculative verify's GDN rows (gdn_verify_seqs: each sequence's rows one after another, the state and ring only
+/// read) and the commit of the rows kept (gdn_commit_seqs, then gdn_ring over the same rows) against gdn_step taking
+/// the rows one by one (which `gdn_core_matches_cpu` checks against the CPU): four sequences of 1, 3, 5 and 4 rows
+/// from positions 0, 2, 9 and 1 (the conv's taps before the segment from the ring, within it from the rows; taps
+/// before position 0 are zero), rows in a padded stride after two rows of other work. Every output row equals the
+/// step's (bf16 of its f32), the verify leaves states and rings as they were, and the commit of the first 1, 2, 5 and
+/// 4 rows leaves the states and rings of that many steps, all bit for bit.
+#[test]
+fn gdn_verify_and_commit_equal_steps() {
+    use cudarc::driver::DevicePtr;
+    use tern_cuda::prefill::SegTable;
+    let Some(g) = gpu_or_skip("gdn_verify_and_commit_equal_steps") else { return };
+    let tiny = Config::from_dir(&fixtures_dir().join("tiny-b")).unwrap();
+    for (name, c) in [("full", small_moe(full_config())), ("tiny-b", small_moe(tiny))] {
+        let (_w, dm) = one_layer(&g, c.clone(), LayerKind::Linear, 19);
+        let DMixer::Gdn { conv, a_log, dt_bias, norm, .. } = &dm.layers[0].mixer else { unreachable!() };
+        let d = tern_cuda::prefill::GdnDims::of(&c);
+        let (cd, vd) = (c.linear_conv_dim(), c.linear_value_dim());
+        let dims = (d.hk, d.hv, d.dk, d.dv, d.taps);
+        let eps = c.rms_norm_eps;
+        let (rows, pos0, kept) = ([1usize, 3, 5, 4], [0usize, 2, 9, 1], [1usize, 2, 5, 4]);
+        let nseq = rows.len();
+        let ldp = cd + vd + 2 * d.hv + 3;
+        let row0 = 2;
+        let total: usize = rows.iter().sum();
+        let mut rng = Rng(23);
+        // ring slots of positions at or past pos0 were never written (zero), as in a live sequence
+        let init_s: Vec<Vec<f32>> = (0..nseq).map(|_| rng.vec(d.hv * d.dk * d.dv, 0.5)).collect();
+        let init_r: Vec<Vec<f32>> = (0..nseq)
+            .map(|s| {
+                let mut r = rng.vec(d.taps * cd, 1.0);
+                for slot in pos0[s]..d.taps {
+                    r[slot * cd..(slot + 1) * cd].fill(0.0);
+                }
+                r
+            })
+            .collect();
+        let mut proj = rng.vec((row0 + total) * ldp, 2.0);
+        for r in 0..row0 + total {
+            for v in &mut proj[r * ldp + cd + vd..r * ldp + cd + vd + 2 * d.hv] {
+                *v *= 1.5; // gates +-3
+            }
+        }
+        // the reference: gdn_step row by row, the output (bf16) and the state and ring after every row
+        let mut want_out = vec![0u16; total * vd];
+        let mut want_state: Vec<Vec<Vec<f32>>> = Vec::new();
+        let mut want_ring: Vec<Vec<Vec<f32>>> = Vec::new();
+        let mut o = g.zeros::<f32>(vd).unwrap();
+        let mut pos = g.zeros::<i32>(1).unwrap();
+        let mut r0 = 0;
+        for s in 0..nseq {
+            let (mut st, mut ring) = (g.upload(&init_s[s]).unwrap(), g.upload(&init_r[s]).unwrap());
+            let (mut ss, mut rs) = (Vec::new(), Vec::new());
+            for j in 0..rows[s] {
+                let r = row0 + r0 + j;
+                let dp = g.upload(&proj[r * ldp..r * ldp + cd + vd + 2 * d.hv]).unwrap();
+                set_pos(&g, &mut pos, pos0[s] + j);
+                g.gdn_step(&dp, conv, &mut ring, a_log, dt_bias, &mut st, &mut o, &pos, norm, eps, dims).unwrap();
+                let got = g.download(&o).unwrap();
+                for (k, v) in got.into_iter().enumerate() {
+                    want_out[(r0 + j) * vd + k] = (round_bf16(v).to_bits() >> 16) as u16;
+                }
+                ss.push(g.download(&st).unwrap());
+                rs.push(g.download(&ring).unwrap());
+            }
+            want_state.push(ss);
+            want_ring.push(rs);
+            r0 += rows[s];
+        }
+        // the verify
+        let up = |v: &Vec<f32>| g.upload(v).unwrap();
+        let (states, rings): (Vec<_>, Vec<_>) = (init_s.iter().map(up).collect(), init_r.iter().map(up).collect());
+        let ptrs = |v: &[CudaSlice<f32>]| -> Vec<u64> { v.iter().map(|b| b.device_ptr(&g.stream).0).collect() };
+        let (ta, tb) = (g.upload(&ptrs(&rings)).unwrap(), g.upload(&ptrs(&states)).unwrap());
+        let mut segs = SegTable::new(&g, nseq).unwrap();
+        let seg: Vec<(usize, usize)> = (0..nseq).map(|s| (rows[s], pos0[s])).collect();
+        segs.set(&g, &seg).unwrap();
+        let dproj = g.upload(&proj).unwrap();
+        let mut out = g.zeros::<u16>((row0 + total) * vd).unwrap();
+        let tables = (&ta.slice(..), &tb.slice(..));
+        g.gdn_verify_seqs(&dproj, ldp, row0, conv, a_log, dt_bias, tables, &segs, norm, eps, d, &mut out).unwrap();
+        let got = g.download(&out).unwrap();
+        let diff = got[row0 * vd..].iter().zip(&want_out).filter(|(a, b)| a != b).count();
+        for s in 0..nseq {
+            assert_eq!(g.download(&states[s]).unwrap(), init_s[s], "{name}: the verify wrote state {s}");
+            assert_eq!(g.download(&rings[s]).unwrap(), init_r[s], "{name}: the verify wrote ring {s}");
+        }
+        println!("gdn_verify_seqs {name}: {diff} of {} output values differ from gdn_step row by row", want_out.len());
+        assert_eq!(diff, 0, "{name}: gdn_verify_seqs differs from gdn_step");
+        // the commit of the kept rows, from a copy of their projections
+        let mut saved = Vec::new();
+        let mut r0 = 0;
+        for s in 0..nseq {
+            saved.extend_from_slice(&proj[(row0 + r0) * ldp..(row0 + r0 + kept[s]) * ldp]);
+            r0 += rows[s];
+        }
+        let dsaved = g.upload(&saved).unwrap();
+        let keep: Vec<(usize, usize)> = (0..nseq).map(|s| (kept[s], pos0[s])).collect();
+        segs.set(&g, &keep).unwrap();
+        g.gdn_commit_seqs(&dsaved.slice(..), ldp, conv, a_log, dt_bias, tables, &segs, d).unwrap();
+        g.gdn_ring(&dsaved.slice(..), ldp, d, &segs, &ta.slice(..)).unwrap();
+        for s in 0..nseq {
+            let st = g.download(&states[s]).unwrap();
+            let worst = st.iter().zip(&want_state[s][kept[s] - 1]).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(worst == 0.0, "{name}: sequence {s}: the committed state is {worst} from {} steps'", kept[s]);
+            assert_eq!(g.download(&rings[s]).unwrap(), want_ring[s][kept[s] - 1], "{name}: sequence {s}: ring");
+        }
+        println!("gdn_commit_seqs {name}: states and rings after 1, 2, 5 and 4 kept rows equal the steps'");
+    }
+}
+
+/// The MTP block on the device ([`tern_cuda::DeviceModel::mtp_rows`]) against the CPU's (`Weights::mtp_forward`,
+/// which `tern-model`'s tests hold to a transformers-built oracle) on two random 4-bit checkpoints with an MTP block
+/// (tiny-mtp-a's layout at widths 128 and 256, sizes the kernels take), the CPU taking the GPU's expert choices: five rows of random hidden states read at positions 0..5 of an empty
+/// sequence, then two chained one-row reads (each fed the previous row's device output) at positions 5 and 6. Every
+/// row's logits and post-norm output within bf16 rounding of the activations (the device's products take bf16
+/// inputs), and the same argmax where the top-2 gap exceeds 2%.
+#[test]
+fn mtp_rows_match_cpu() {
+    use tern_cuda::forward::StepRoutes;
+    let Some(_g) = gpu_or_skip("mtp_rows_match_cpu") else { return };
+    for (name, hidden) in [("width 128", 128), ("width 256", 256)] {
+        let w = mtp_model_q4(hidden, 512, None, hidden as u64);
+        assert!(w.mtp.is_some(), "{name}: no MTP block");
+        let c = w.config.clone();
+        let (h, v, k) = (c.hidden_size, c.vocab_size, c.num_experts_per_tok);
+        let be = CudaBackend::new(&w, CudaOptions::with_context(64)).unwrap();
+        let (m, g) = (&be.model, &be.model.gpu);
+        let st = be.new_cuda_sequence().unwrap().st;
+        let mut cpu = State::new_mtp();
+        let mut rng = Rng(31);
+        let mut hidden = rng.vec(5 * h, 1.0);
+        let (mut worst_l, mut worst_h, mut decided, mut same) = (0.0f32, 0.0f32, 0, 0);
+        for (pos0, rows) in [(0usize, 5usize), (5, 1), (6, 1)] {
+            let ids: Vec<u32> = (0..rows).map(|r| ((pos0 + r) * 7919 % v) as u32).collect();
+            let dh = g.upload(&hidden).unwrap();
+            let mut routes = vec![Vec::new(); 1];
+            let got = m
+                .mtp_rows(&[&st], &[(rows, pos0)], &ids, &dh, (true, v, true), Some(StepRoutes::Log(&mut routes)))
+                .unwrap();
+            let force: Vec<Vec<usize>> = vec![routes[0].chunks_exact(k).flatten().copied().collect()];
+            cpu.routing.force = Some(force);
+            let want = w.mtp_forward(&hidden, &ids, &mut cpu, Logits::All).unwrap();
+            let gl = got.logits.unwrap();
+            let gh = g.download(&got.hidden).unwrap();
+            for r in 0..rows {
+                let (a, b) = (&gl[r * v..(r + 1) * v], &want.logits[r * v..(r + 1) * v]);
+                worst_l = worst_l.max(rel(a, b));
+                worst_h = worst_h.max(rel(&gh[r * h..(r + 1) * h], &want.hidden[r * h..(r + 1) * h]));
+                assert_eq!(got.argmax[r] as usize, argmax(a), "{name}: the device argmax vs its logits");
+                if top2_gap(b) > 0.02 {
+                    decided += 1;
+                    same += (argmax(a) == argmax(b)) as usize;
+                }
+            }
+            // the next read chains on the device's output of the last row
+            hidden = gh[(rows - 1) * h..rows * h].to_vec();
+        }
+        println!(
+            "MTP block {name}, 7 rows (5 at once, 2 chained): rel err logits {worst_l:.2e}, post-norm output \
+             {worst_h:.2e}; argmax equal where the top-2 gap > 2%: {same}/{decided}"
+        );
+        assert!(worst_l < 3e-2 && worst_h < 3e-2, "{name}: MTP rows differ from the CPU's");
+        assert!(same == decided, "{name}: MTP argmax differs");
     }
 }
 
@@ -213,7 +380,7 @@ fn attention_decode_matches_cpu() {
                 let eps = c.rms_norm_eps;
                 g.attn_prep(&dproj, qn, kn, &pos, (nh, nkv, hd, rd), theta, eps, &mut qbuf, &mut kc, &mut vc).unwrap();
                 let tables = (&tk.slice(..), &tv.slice(..), &posv);
-                g.attn_decode_seqs(&qbuf, tables, 1, (nh, nkv, hd), nsplit, &mut part2).unwrap();
+                g.attn_decode_seqs(&qbuf, tables, &posv, 1, (nh, nkv, hd), nsplit, &mut part2).unwrap();
                 let bits =
                     |p: &CudaSlice<f32>| g.download(p).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
                 assert!(
@@ -579,4 +746,30 @@ fn full_shape_random_q4_vs_cpu() {
     let (hm, hp, hx) = summarize("full shape random q4", &steps);
     println!("full shape: {:.0?} total; held median {hm:.2e} p99 {hp:.2e} max {hx:.2e}", t0.elapsed());
     assert!(hm < 2.5e-2 && hx < 0.17, "full shape held routing: median {hm} max {hx}");
+}
+
+/// The MTP test checkpoints (common::mtp_model_q4) are what the CUDA backend loads: every linear of the main layers
+/// and of the MTP block 4- or 8-bit (this runs without a GPU).
+#[test]
+fn mtp_test_checkpoints_are_quantised() {
+    use tern_model::weights::Linear;
+    let accept = Some("0.8,0.5375".parse().unwrap());
+    for (hidden, vocab, accept) in [(128, 512, None), (256, 512, None), (512, 2048, accept)] {
+        let w = mtp_model_q4(hidden, vocab, accept, 5);
+        let mtp = w.mtp.as_ref().expect("an MTP block");
+        let mut linears: Vec<&Linear> = vec![&w.embed, &w.lm_head, &mtp.fc];
+        for l in w.layers.iter().chain([&mtp.layer]) {
+            match &l.mixer {
+                Mixer::Attention(a) => linears.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]),
+                Mixer::DeltaNet(d) => {
+                    linears.extend([&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a, &d.out_proj])
+                }
+            }
+            let m = &l.moe;
+            linears.extend([&m.router, &m.shared_gate, &m.shared.gate, &m.shared.up, &m.shared.down]);
+            linears.extend(m.experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down]));
+        }
+        let f32s = linears.iter().filter(|l| !matches!(l, Linear::Quant(_))).count();
+        assert_eq!(f32s, 0, "width {hidden}: {f32s} of {} linears left f32", linears.len());
+    }
 }

@@ -118,7 +118,7 @@ fn gemm_q4_matches_cpu() {
             // (1 slot: a phase flip every unit), the ring kernel (dense_ring) with its columns in each number of ranges
             // that fits the shape, and the register-streamed kernel (dense_ring and dense_tma off)
             let mut dense = String::new();
-            if n <= tern_cuda::batch::MAX_SEQS {
+            if n <= tern_cuda::prefill::STREAM_ROWS {
                 let tgs = 8 * n.div_ceil(8).next_power_of_two();
                 let fits = |kz: usize| gs == 64 && rows % 16 == 0 && cols % (256 * kz) == 0 && cols / kz * tgs <= 32768;
                 #[derive(Clone, Copy)]
@@ -680,7 +680,7 @@ fn gdn_chunked_matches_recurrence() {
             g.gdn_prep(&dproj, ldp, &tr, conv, a_log, dt_bias, d, &segs, &mut qkv, &mut beta, &mut gl).unwrap();
             g.gdn_chunk_prep(&qkv, &beta, &gl, &segs, d, &mut chunks).unwrap();
             g.gdn_chunk_scan(&qkv, &mut chunks, &segs, d, &ts, &mut o).unwrap();
-            g.gdn_ring(&dproj, ldp, d, &segs, &tr).unwrap();
+            g.gdn_ring(&dproj.slice(..), ldp, d, &segs, &tr).unwrap();
             g.gdn_gated_norm(&o, &dproj, ldp, rows, d, norm, eps, &mut ob).unwrap();
             let all_o = g.download(&o).unwrap();
             let all_g: Vec<f32> = g.download(&ob).unwrap()[..rows * vd].iter().map(|&b| bf16_to_f32(b)).collect();

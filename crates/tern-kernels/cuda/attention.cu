@@ -203,14 +203,15 @@ __device__ __forceinline__ void kv_batch(const __nv_bfloat16* kb, const __nv_bfl
 }
 
 // PRE: the positions come from the host (pos_ptr uploaded before the step), so this warp's first batch of keys is
-// loaded before the dependency wait where every key in it is older than the current one (the keys of earlier steps;
-// attn_prep, the kernel before, writes only the current position's row).
+// loaded before the dependency wait where every key in it is older than `fresh`, the first position the pass writes
+// for this row's sequence (the keys of earlier steps; attn_prep, the kernel before, writes the pass's rows: the
+// current position's, and for a speculative verify's rows those of the drafts before it too).
 template <bool PF, bool PRE = false>
 __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qbuf,
                                                     const __nv_bfloat16* __restrict__ kc,
                                                     const __nv_bfloat16* __restrict__ vc,
                                                     const int* __restrict__ pos_ptr, int nh, int nkv, int hd,
-                                                    float scale, float* __restrict__ part) {
+                                                    float scale, float* __restrict__ part, int fresh = 0) {
     __shared__ __align__(16) float qs[AKV_G * 256];           // [g][256] q * scale, zero past hd / group
     __shared__ __align__(16) float accs[AKV_W][AKV_G * 256];  // per-warp partial acc, [g][256]
     __shared__ __align__(16) float ps[AKV_W][AKV_B * AKV_G + AKV_G];  // p[j][g], then corr[g]
@@ -230,8 +231,8 @@ __device__ __forceinline__ void attn_decode_kv_body(const float* __restrict__ qb
     // PF: two-stage pipeline, the next batch's K/V loads are in flight during this batch's math
     uint4 kn[AKV_B], vn[AKV_B];
     const int tfirst = t0 + warp * AKV_B;
-    // every key the first batch reads (clamped to t1 - 1) is older than the current one (len - 1)
-    const bool early = PRE && PF && (t1 < len || tfirst + AKV_B < len);
+    // every key the first batch reads (clamped to t1 - 1) is older than the first one the pass writes
+    const bool early = PRE && PF && min(t1, tfirst + AKV_B) <= fresh;
     if (early) kv_batch(kb, vb, rs, tfirst, t1, kn, vn);
     if (PRE) pdl_wait();
     {
@@ -371,13 +372,13 @@ extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv(
 
 extern "C" __global__ void __launch_bounds__(32 * AKV_W) attn_decode_kv_seqs(
     const float* __restrict__ qbuf, const unsigned long long* __restrict__ kc,
-    const unsigned long long* __restrict__ vc, const int* __restrict__ posv, int nh, int nkv, int hd, float scale,
-    float* __restrict__ part) {
+    const unsigned long long* __restrict__ vc, const int* __restrict__ posv, const int* __restrict__ freshv, int nh,
+    int nkv, int hd, float scale, float* __restrict__ part) {
     KTRACE(35);
     const int r = blockIdx.z;
     attn_decode_kv_body<true, true>(qbuf + (long)r * nh * hd, reinterpret_cast<const __nv_bfloat16*>(kc[r]),
                                     reinterpret_cast<const __nv_bfloat16*>(vc[r]), posv + r, nh, nkv, hd, scale,
-                                    part + (long)r * nh * gridDim.y * (hd + 2));
+                                    part + (long)r * nh * gridDim.y * (hd + 2), freshv[r]);
 }
 
 template <typename OutT>

@@ -286,3 +286,159 @@ extern "C" __global__ void __launch_bounds__(256, 6) gdn_step_seqs(
     }
     cluster.sync();  // no block leaves while another may still read its sums
 }
+
+// gdn_verify_seqs / gdn_commit_seqs: the step of gdn_step_seqs over several consecutive rows of each sequence (a
+// speculative verify's last token and drafts), row after row, the state of the block's columns kept in shared memory
+// between rows, with the same sums in the same order (so row j's output and the state after it equal those of j + 1
+// gdn_step_seqs steps bit for bit). Neither writes the conv ring, so no block can overwrite an input another still
+// reads: a row's causal conv takes inputs of positions before the segment from the ring and later ones from the
+// segment's own projection rows. gdn_verify_seqs writes each row's gated-norm output and leaves the state as it was;
+// once the drafts are checked, gdn_commit_seqs runs over the kept rows (from a copy of their projections) and writes
+// the state after the last of them, and gdn_ring (prefill.cu) writes their ring slots.
+// Grid (Hv P, sequences), clusters of the P blocks of a head, threads and shared memory as gdn_step_seqs; segs[s] =
+// {first row, rows, first position, -} (the SegTable of prefill.rs: host-uploaded), rings / states[s] the sequence's.
+template <bool VERIFY>
+__device__ __forceinline__ void gdn_rows_body(
+    const float* __restrict__ proj, int ldp, const float* __restrict__ conv_w,
+    const unsigned long long* __restrict__ rings, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const unsigned long long* __restrict__ states, __nv_bfloat16* __restrict__ out, int ldo,
+    const int* __restrict__ segs, const float* __restrict__ norm, float eps, int Hk, int Hv, int dk, int dv, int K,
+    int P) {
+    __shared__ float red[3][32];
+    __shared__ float qs[128], ks[128], vs[64];
+    __shared__ float part[4][64];
+    extern __shared__ __align__(16) float sst[];
+    const int h = blockIdx.x / P, p = blockIdx.x - h * P, s = blockIdx.y;
+    const int dvp = dv / P, c0 = p * dvp;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int C = (dvp + 31) / 32, chunk = warp % C, rg = warp / C;
+    const int col = chunk * 32 + lane;
+    const bool active = col < dvp;
+    const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, Vd = Hv * dv;
+    const int kh = h / (Hv / Hk);
+    const Seg sg = seg_at(segs, s);
+    const float* ring = reinterpret_cast<const float*>(rings[s]);
+    float* S = reinterpret_cast<float*>(states[s]) + (long)h * dk * dv + c0;
+    const int rq = dvp / 4;
+    for (int idx = tid; idx < dk * rq; idx += blockDim.x) {
+        const int i = idx / rq, u = idx - i * rq;
+        cp_async16(sst + i * dvp + 4 * u, S + (long)i * dv + 4 * u, 16);
+    }
+    cp_async_commit();
+    const bool has_qk = tid < dk, has_v = tid < dvp;
+    const int chq = kh * dk + tid, chk = Kd + kh * dk + tid, chv = 2 * Kd + h * dv + c0 + tid;
+    const float ealog = __expf(a_log[h]), dtb = dt_bias[h];
+    const float gn = (VERIFY && active) ? norm[c0 + col] : 0.f;
+    pdl_wait();  // proj comes from the previous kernel
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll 1
+    for (int j = 0; j < sg.k; j++) {
+        const int pos = sg.pos0 + j;
+        const float* pr = proj + (long)(sg.r0 + j) * ldp;
+        // the causal conv of channel ch at this row: taps of positions pos - K + 1 .. pos - 1 in order (from the ring
+        // before the segment, from the segment's rows after its start), then the current input, as gdn_conv_past
+        auto conv = [&](int ch) {
+            float acc = 0.f;
+#pragma unroll 1
+            for (int i = 0; i < K - 1; i++) {
+                const int q = pos - (K - 1) + i;
+                const float x = q < sg.pos0 ? ring[(((q % K) + K) % K) * conv_dim + ch]
+                                            : proj[(long)(sg.r0 + q - sg.pos0) * ldp + ch];
+                acc += conv_w[ch * K + i] * x;
+            }
+            return fmaf(conv_w[ch * K + K - 1], pr[ch], acc);
+        };
+        const float q = has_qk ? silu_f(conv(chq)) : 0.f;
+        const float k = has_qk ? silu_f(conv(chk)) : 0.f;
+        if (has_v) vs[tid] = silu_f(conv(chv));
+        const float xb = pr[conv_dim + Vd + h], xa = pr[conv_dim + Vd + Hv + h];
+        const float xz = (active && rg == 0) ? pr[conv_dim + h * dv + c0 + col] : 0.f;
+        const float sq = warp_sum(q * q), sk = warp_sum(k * k);
+        if (lane == 0) {
+            red[0][warp] = sq;
+            red[1][warp] = sk;
+        }
+        __syncthreads();
+        float nq = 0.f, nk = 0.f;
+        for (int w = 0; w < (dk + 31) / 32; w++) {
+            nq += red[0][w];
+            nk += red[1][w];
+        }
+        if (has_qk) {
+            qs[tid] = q * rsqrtf(nq + 1e-6f) * rsqrtf((float)dk);
+            ks[tid] = k * rsqrtf(nk + 1e-6f);
+        }
+        const float beta = sigmoid_f(xb);
+        const float decay = __expf(-ealog * softplus_f(xa + dtb));
+        __syncthreads();  // qs, ks, vs in place
+        float m = 0.f;
+        if (active)
+            for (int i = rg; i < dk; i += 4) {
+                const float sv = sst[i * dvp + col] * decay;
+                sst[i * dvp + col] = sv;
+                m = fmaf(sv, ks[i], m);
+            }
+        part[rg][col] = m;
+        __syncthreads();
+        m = part[0][col] + part[1][col] + part[2][col] + part[3][col];
+        const float delta = active ? beta * (vs[col] - m) : 0.f;
+        float o = 0.f;
+        if (active)
+            for (int i = rg; i < dk; i += 4) {
+                const float sv = fmaf(ks[i], delta, sst[i * dvp + col]);
+                sst[i * dvp + col] = sv;
+                o = fmaf(sv, qs[i], o);
+            }
+        __syncthreads();  // every thread has read part (m) before it is reused
+        if constexpr (VERIFY) {
+            part[rg][col] = o;
+            __syncthreads();
+            o = part[0][col] + part[1][col] + part[2][col] + part[3][col];
+            if (rg == 0) {
+                const float t = warp_sum(active ? o * o : 0.f);
+                if (lane == 0) red[2][chunk] = t;
+            }
+            cg::cluster_group cluster = cg::this_cluster();
+            cluster.sync();
+            if (rg == 0 && active) {
+                float ss = 0.f;
+                for (int b = 0; b < P; b++) {
+                    const float* rb = cluster.map_shared_rank(&red[2][0], b);
+                    for (int c = 0; c < C; c++) ss += rb[c];
+                }
+                out[(long)(sg.r0 + j) * ldo + h * dv + c0 + col] =
+                    to_act<__nv_bfloat16>(o * rsqrtf(ss / dv + eps) * gn * silu_f(xz));
+            }
+            cluster.sync();  // the sums read before the next row overwrites them
+        }
+    }
+    if constexpr (!VERIFY) {
+        __syncthreads();
+        for (int idx = tid; idx < dk * dvp; idx += blockDim.x) {
+            const int i = idx / dvp, u = idx - i * dvp;
+            S[(long)i * dv + u] = sst[idx];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gdn_verify_seqs(
+    const float* __restrict__ proj, int ldp, const float* __restrict__ conv_w,
+    const unsigned long long* __restrict__ rings, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const unsigned long long* __restrict__ states, __nv_bfloat16* __restrict__ out, int ldo,
+    const int* __restrict__ segs, const float* __restrict__ norm, float eps, int Hk, int Hv, int dk, int dv, int K,
+    int P) {
+    KTRACE(64);
+    gdn_rows_body<true>(proj, ldp, conv_w, rings, a_log, dt_bias, states, out, ldo, segs, norm, eps, Hk, Hv, dk, dv, K,
+                        P);
+}
+
+extern "C" __global__ void __launch_bounds__(256) gdn_commit_seqs(
+    const float* __restrict__ proj, int ldp, const float* __restrict__ conv_w,
+    const unsigned long long* __restrict__ rings, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const unsigned long long* __restrict__ states, const int* __restrict__ segs, int Hk, int Hv, int dk, int dv, int K,
+    int P) {
+    KTRACE(65);
+    gdn_rows_body<false>(proj, ldp, conv_w, rings, a_log, dt_bias, states, nullptr, 0, segs, nullptr, 0.f, Hk, Hv, dk,
+                         dv, K, P);
+}

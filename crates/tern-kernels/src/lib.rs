@@ -49,6 +49,7 @@ mod tests {
         ("attn_prep", 32, 0),
         ("attn_prep_rows", 32, 0),
         ("gdn_step_seqs", 16, 16),
+        ("gdn_verify_seqs", 8, 4),
         ("router_topk_q8", 32, 0),
         ("moe_gate_up", 16, 0),
         ("dense_ring_n8", 48, 72),

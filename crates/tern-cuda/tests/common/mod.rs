@@ -133,7 +133,12 @@ pub fn small_moe(mut c: Config) -> Config {
 
 /// The tiny-b fixture (transformers' random checkpoint) quantised to 4-bit, group 32.
 pub fn tiny_b_q4() -> Weights {
-    let dir = fixtures_dir().join("tiny-b");
+    fixture_q4("tiny-b")
+}
+
+/// A fixture checkpoint quantised as tern's recipe does (4-bit, groups of 32).
+pub fn fixture_q4(name: &str) -> Weights {
+    let dir = fixtures_dir().join(name);
     let ckpt = Checkpoint::open(&dir).unwrap();
     let config = Config::from_dir(&dir).unwrap();
     let spec = QuantSpec::recipe(&config, 4, 32);
@@ -146,4 +151,31 @@ pub fn yardstick() -> (f32, f32) {
         serde_json::from_str(&std::fs::read_to_string(fixtures_dir().join("tiny-b/meta.json")).unwrap()).unwrap();
     let b = &meta["bf16_vs_f32_prefill"];
     (b["median"].as_f64().unwrap() as f32, b["max"].as_f64().unwrap() as f32)
+}
+
+/// A random checkpoint with an MTP block in tiny-mtp-a's layout, written as mlx 4-bit (groups of 64) and loaded:
+/// width `hidden`, vocabulary `vocab`, head and expert sizes the CUDA kernels take (head dim 64, GDN value heads of
+/// 32, experts of 64); with `accept`, the MTP block agrees with the model as `tern random-model --mtp-accept` makes
+/// it.
+pub fn mtp_model_q4(hidden: usize, vocab: usize, accept: Option<tern_model::random::MtpAccept>, seed: u64) -> Weights {
+    let path = fixtures_dir().join("tiny-mtp-a/config.json");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("vision_config");
+    let t = &mut cfg["text_config"];
+    for (k, v) in [
+        ("hidden_size", hidden),
+        ("vocab_size", vocab),
+        ("head_dim", 64),
+        ("linear_value_head_dim", 32),
+        ("moe_intermediate_size", 64),
+        ("shared_expert_intermediate_size", 64),
+    ] {
+        t[k] = v.into();
+    }
+    let dir = std::env::temp_dir().join(format!("tern-mtp-q4-{hidden}-{seed}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    tern_model::random::write_random_mlx_with(&cfg, &dir, seed, None, accept).unwrap();
+    let w = Weights::load(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    w
 }
