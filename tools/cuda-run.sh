@@ -13,8 +13,7 @@
 #   tools/cuda-run.sh ncu [kernel regex]  Nsight Compute on the batched decode's kernels (NCU_SKIP, NCU_COUNT)
 #   tools/cuda-run.sh stalls REGEX SKIP   per-instruction stall sampling of one launch (tools/ncu_stalls.py)
 # Serving throughput under vLLM's own load client: tools/serve-bench.sh (carry .whl too, for .whl/vllm_bench/).
-# The environment passes through (TERN_BATCH_DECODE=0 / TERN_GPU_SAMPLING=0 turn the batched step and GPU sampling
-# off, TERN_BATCH_GRAPHS=0 its graphs, TERN_TILE_EXPERTS=0 the experts' tile-major copy, TERN_TOPK_ALIGN=0 the one-launch top-k and align, TERN_DENSE_TMA=0 the bulk-copy dense products; TERN_STEP_LOG=1 logs every engine step to serve.log; MAX_CONCURRENT, default 64).
+# The environment passes through (TERN_STEP_LOG=1 logs every engine step to serve.log; MAX_CONCURRENT, default 256).
 set -u
 OUT=${OUT:-/tmp/tern-out}
 mkdir -p "$OUT"
@@ -100,7 +99,7 @@ serve | soak)
     ./.carry/tern bench --backend cuda --random-weights --config .carry/qwen --ctx 256 --repeats 3 2>&1 |
       grep -E "^ +ctx |^ +256 " | tee "$OUT/bench_b1.txt"
   fi
-  ./.carry/tern serve --model $dir --backend cuda --port 8080 --max-concurrent "${MAX_CONCURRENT:-64}" "$@" >"$OUT/serve.log" 2>&1 &
+  ./.carry/tern serve --model $dir --backend cuda --port 8080 --max-concurrent "${MAX_CONCURRENT:-256}" "$@" >"$OUT/serve.log" 2>&1 &
   pid=$!
   if [ "$what" = serve ]; then
     timeout 500 python3 .carry/serve_probe.py --port 8080 ${PROBE_ARGS:-} --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.txt"

@@ -594,9 +594,12 @@ pub fn preprocess_image(img: &image::DynamicImage, params: &ImageParams) -> Resu
 fn resample(src: &image::RgbImage, w: u32, h: u32) -> Result<image::RgbImage> {
     use fast_image_resize as fr;
     let (w0, h0) = src.dimensions();
-    let from = fr::images::ImageRef::new(w0, h0, src.as_raw(), fr::PixelType::U8x3)?;
-    let mut to = fr::images::Image::new(w, h, fr::PixelType::U8x3);
+    // The typed call instantiates the resizer for one pixel type; `Resizer::resize` dispatches over all of them
+    // at run time, and their monomorphised code was most of this crate's build time (issue 36: CI's length).
+    let from = fr::images::TypedImageRef::<fr::pixels::U8x3>::from_buffer(w0, h0, src.as_raw())?;
+    let mut out = vec![0u8; w as usize * h as usize * 3];
+    let mut to = fr::images::TypedImage::<fr::pixels::U8x3>::from_buffer(w, h, &mut out)?;
     let opts = fr::ResizeOptions::new().resize_alg(fr::ResizeAlg::Convolution(fr::FilterType::CatmullRom));
-    fr::Resizer::new().resize(&from, &mut to, &opts)?;
-    image::RgbImage::from_raw(w, h, to.into_vec()).context("image: resampled buffer of the wrong size")
+    fr::Resizer::new().resize_typed(&from, &mut to, &opts)?;
+    image::RgbImage::from_raw(w, h, out).context("image: resampled buffer of the wrong size")
 }
