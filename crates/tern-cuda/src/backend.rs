@@ -29,6 +29,12 @@ use crate::sample::SampleBatch;
 use crate::seq::{CudaBackend, CudaOptions, CudaSequence, DeviceState, MtpSeq};
 use crate::workspace::pass_fits;
 
+/// What a verify of K drafts costs one stream, in plain decode steps, at K = 0..=4: `tern bench --backend cuda
+/// --model DIR --speculative K --ctx 256` on the constructed checkpoint at full acceptance (its verify step against
+/// the batch-1 graph's 1.79 ms; stop 44, an H100, docs/perf.md). The engine pauses a request's drafting while its
+/// accepted drafts do not pay for this ([`Backend::verify_cost`]); re-measure it when the verify path changes.
+pub const VERIFY_COST: [f64; MAX_VERIFY_ROWS] = [1.0, 2.16, 2.54, 3.0, 3.52];
+
 /// The CUDA backend behind the engine's seam (interim: one [`DeviceState`] per sequence, see the module doc).
 pub struct CudaSlots {
     pub cuda: CudaBackend,
@@ -191,6 +197,11 @@ impl Backend for CudaSlots {
     /// and running streams wait at most one such pass between two tokens.
     fn step_tokens(&self) -> usize {
         self.cuda.model.prefill.lock().map_or(crate::model::DEFAULT_PREFILL_CHUNK, |p| p.chunk)
+    }
+
+    /// [`VERIFY_COST`]: measured, one stream.
+    fn verify_cost(&self, drafts: usize) -> Option<f64> {
+        VERIFY_COST.get(drafts).copied()
     }
 
     /// With speculative decoding on and a model with an MTP block: 4 (a verify of 5 rows).

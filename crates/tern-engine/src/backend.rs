@@ -384,6 +384,16 @@ pub trait Backend: Send + Sync {
         0
     }
 
+    /// What one verify of `drafts` drafts costs a lone sequence, in plain decode steps (its pass of `drafts + 1`
+    /// rows and the drafting of the next ones), where the backend has measured it. The engine pauses a request's
+    /// drafting while its accepted drafts do not pay for that; `None` (the default): unmeasured, and only the
+    /// acceptance floor pauses it. A fixed figure, not a timing taken while serving, so that a seed gives the same
+    /// text every run.
+    fn verify_cost(&self, drafts: usize) -> Option<f64> {
+        let _ = drafts;
+        None
+    }
+
     /// The model's image pad id when this backend reads images (the model has a vision tower), else `None`.
     fn image_token_id(&self) -> Option<u32> {
         None
@@ -1212,6 +1222,9 @@ where
     }
     fn max_drafts(&self) -> usize {
         self.inner.max_drafts()
+    }
+    fn verify_cost(&self, drafts: usize) -> Option<f64> {
+        self.inner.verify_cost(drafts)
     }
     fn image_token_id(&self) -> Option<u32> {
         self.inner.image_token_id()

@@ -65,7 +65,9 @@
 //! sampled: the model's distribution). Drafts are cut to the step budget and to what `max_tokens` and the context
 //! leave. Under a constraint, the mask worker computes the row after each draft on a copy of the constraint
 //! advanced over the drafts before it, and commits the accepted tokens to the real one after the step. A request
-//! whose drafts are accepted less than 20% of the time (`SPEC_FLOOR`) pauses drafting, ever longer.
+//! whose drafts are accepted less than 20% of the time (`SPEC_FLOOR`), or, where the backend has measured what a
+//! verify costs ([`Backend::verify_cost`]), whose accepted drafts no longer pay for it, pauses drafting, ever
+//! longer. Both rules read only the acceptance, never a clock: the same seed gives the same text every run.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -585,6 +587,14 @@ struct Spec {
     paused_until: Option<usize>,
     /// Pauses so far: each is twice as long as the one before (up to 16 times [`SPEC_PAUSE_TOKENS`]).
     pauses: u32,
+    /// What a verify of `k` drafts costs, in plain steps, where the backend has measured it
+    /// ([`Backend::verify_cost`]): drafting pays only while `1 + paid` tokens a verify reach it.
+    cost: Option<f64>,
+    /// Drafts accepted per verify since drafting started or resumed, a moving average (1/8 per verify) that
+    /// starts at the first verify's count (no prior, unlike `rate`).
+    paid: f64,
+    /// Verifies since drafting started or resumed: the cost is weighed from [`SPEC_SETTLE`] of them on.
+    verifies: usize,
 }
 
 /// A request stops drafting when fewer than this fraction of its drafts are accepted on average (a verify row costs
@@ -593,10 +603,21 @@ struct Spec {
 /// stream whose drafts never hold spends a vanishing share of its steps trying.
 const SPEC_FLOOR: f64 = 0.2;
 const SPEC_PAUSE_TOKENS: usize = 64;
+/// Verifies before the measured cost is weighed against the acceptance.
+const SPEC_SETTLE: usize = 8;
 
 impl Spec {
-    fn new(k: usize) -> Spec {
-        Spec { k, drafts: Vec::new(), rate: 0.5 * k as f64, paused_until: None, pauses: 0 }
+    fn new(k: usize, cost: Option<f64>) -> Spec {
+        Spec {
+            k,
+            drafts: Vec::new(),
+            rate: 0.5 * k as f64,
+            paused_until: None,
+            pauses: 0,
+            cost,
+            paid: 0.0,
+            verifies: 0,
+        }
     }
 
     /// Drafts to ask the step after `generated` tokens for (0 while paused).
@@ -604,7 +625,7 @@ impl Spec {
         match self.paused_until {
             Some(t) if generated < t => 0,
             Some(_) => {
-                (self.paused_until, self.rate) = (None, 0.5 * self.k as f64);
+                (self.paused_until, self.rate, self.verifies) = (None, 0.5 * self.k as f64, 0);
                 self.k
             }
             None => self.k,
@@ -617,7 +638,13 @@ impl Spec {
             return;
         }
         self.rate += (accepted as f64 - self.rate) / 8.0;
-        if self.rate < SPEC_FLOOR * self.k as f64 {
+        self.paid = match self.verifies {
+            0 => accepted as f64,
+            _ => self.paid + (accepted as f64 - self.paid) / 8.0,
+        };
+        self.verifies += 1;
+        let dearer = self.verifies >= SPEC_SETTLE && self.cost.is_some_and(|c| 1.0 + self.paid < c);
+        if self.rate < SPEC_FLOOR * self.k as f64 || dearer {
             self.paused_until = Some(generated + (SPEC_PAUSE_TOKENS << self.pauses.min(4)));
             self.pauses += 1;
             self.drafts.clear();
@@ -1100,7 +1127,8 @@ impl<'a> Scheduler<'a> {
             suspect: false,
             masked,
             early,
-            spec: (self.cfg.speculative > 0).then(|| Spec::new(self.cfg.speculative)),
+            spec: (self.cfg.speculative > 0)
+                .then(|| Spec::new(self.cfg.speculative, self.backend.verify_cost(self.cfg.speculative))),
             job,
         }
     }
@@ -1629,7 +1657,7 @@ mod tests {
     /// drafts that hold keep it on.
     #[test]
     fn drafting_pauses_ever_longer_while_drafts_fail() {
-        let mut s = Spec::new(3);
+        let mut s = Spec::new(3, None);
         let mut generated = 0;
         let mut verifies = Vec::new();
         for pause in 0..6 {
@@ -1649,10 +1677,41 @@ mod tests {
             generated = until;
         }
         assert_eq!(verifies, [7, 7, 7, 7, 7, 7]);
-        let mut good = Spec::new(3);
+        let mut good = Spec::new(3, None);
         for g in 0..1000 {
             assert_eq!(good.ask(g), 3);
             good.record(3, 1, g); // one of three accepted: a third, over the floor
+        }
+    }
+
+    /// Where the backend measured a verify's cost (in plain steps), drafting pauses once its accepted tokens no
+    /// longer pay for it, after [`SPEC_SETTLE`] verifies: stop 44's H100 costs (K = 3: 3.0 plain steps; K = 1:
+    /// 2.16) keep K = 3 at full acceptance on, and pause K = 3 at 1.5 accepted a verify and K = 1 at any.
+    #[test]
+    fn drafting_pauses_where_the_measured_verify_cost_is_not_paid() {
+        // (k, cost, accepted per verify, pauses?)
+        for (k, cost, accepted, pauses) in
+            [(3, 3.0, 3, false), (3, 3.0, 2, false), (4, 3.52, 4, false), (3, 3.0, 1, true), (1, 2.16, 1, true)]
+        {
+            let mut s = Spec::new(k, Some(cost));
+            let mut paused_at = None;
+            for g in 0..200 {
+                if s.ask(g) == 0 {
+                    paused_at = Some(g);
+                    break;
+                }
+                s.record(k, accepted, g);
+            }
+            assert_eq!(paused_at.is_some(), pauses, "k {k} cost {cost} accepted {accepted}: paused at {paused_at:?}");
+            if let Some(g) = paused_at {
+                assert_eq!(g, SPEC_SETTLE, "k {k}: pauses after {SPEC_SETTLE} verifies, not {g}");
+            }
+        }
+        // Unmeasured (None), the same acceptance keeps drafting: only the floor applies.
+        let mut s = Spec::new(1, None);
+        for g in 0..200 {
+            assert_eq!(s.ask(g), 1);
+            s.record(1, 1, g);
         }
     }
 
