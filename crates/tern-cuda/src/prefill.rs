@@ -636,19 +636,22 @@ impl Gpu {
     ) -> Result<()> {
         d.check()?;
         let n = segs.rows;
-        ensure!(d.dk + d.dv <= 256 && d.dv % 4 == 0, "gdn_chunk_prep: key + value head dims over 256 (or dv % 4)");
+        ensure!(
+            d.dk + d.dv <= 256 && d.dv % 4 == 0 && d.dk % 8 == 0,
+            "gdn_chunk_prep: key + value head dims over 256 (or dv % 4, dk % 8)"
+        );
         ensure!(
             n > 0 && qkv.len() >= n * d.conv_dim() && beta.len() >= n * d.hv && gl.len() >= n * d.hv,
             "gdn_chunk_prep: inputs"
         );
         ensure!(sc.holds(d, segs.chunks), "gdn_chunk_prep: scratch for {} chunks", segs.chunks);
-        let smem = (GDN_CHUNK * (d.dk + 4) * 2 + GDN_CHUNK * (GDN_CHUNK + 4) + GDN_CHUNK * (d.dk + d.dv)) * 4;
+        let smem = GDN_CHUNK * ((d.dk + 4) + (d.dk + 4).max(GDN_CHUNK + 4)) * 4;
         let v = [segs.n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
         let mut l = self.launcher(&self.f.gdn_chunk_prep);
         l.arg(qkv).arg(beta).arg(gl).arg(&segs.dev).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
         l.arg(&sc.u).arg(&sc.w).arg(&sc.p).arg(&sc.g);
         // SAFETY: matches gdn_chunk_prep (prefill.cu); grid (chunks, hv), one solution column per thread (dk + dv <=
-        // 256), shared memory as laid out there; scratch holds the table's chunks (checked), each chunk's rows lie
+        // 256), dk % 8 for the tensor-core tiles (checked), shared memory as laid out there (K, then Q and A); scratch holds the table's chunks (checked), each chunk's rows lie
         // in the pass's n rows (SegTable::set).
         unsafe { l.launch(cfg((segs.chunks as u32, d.hv as u32), 256, smem)) }?;
         Ok(())
@@ -668,29 +671,39 @@ impl Gpu {
     ) -> Result<()> {
         d.check()?;
         let n = segs.rows;
-        ensure!(d.dv % 8 == 0, "gdn_chunk_scan: value head dim {} (needs % 8)", d.dv);
+        ensure!(
+            d.dk % 8 == 0 && d.dv % 8 == 0,
+            "gdn_chunk_scan: key / value head dims {} / {} (tensor-core tiles: both % 8)",
+            d.dk,
+            d.dv
+        );
         ensure!(sc.holds(d, segs.chunks), "gdn_chunk_scan: scratch for {} chunks", segs.chunks);
         ensure!(n > 0 && qkv.len() >= n * d.conv_dim(), "gdn_chunk_scan: qkv");
         ensure!(states.len() >= segs.n && o.len() >= n * d.hv * d.dv, "gdn_chunk_scan: state table / output");
         ensure!(segs.n <= 65535, "gdn_chunk_scan: {} sequences", segs.n);
         let v = [segs.n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
-        let smem = (d.dk * 32 + GDN_CHUNK * 32 + 2 * (2 * GDN_CHUNK * (d.dk + 4) + GDN_CHUNK * 32 + GDN_CHUNK)) * 4;
+        let c = GDN_CHUNK;
+        let buf = c * (d.dk + 4) + c * (d.dk + 8) + c * 40 + c;
+        let smem = (2 * buf + 32 * (d.dk + 4) + 32 * (c + 4)) * 4;
         let mut l = self.launcher(&self.f.gdn_chunk_state);
         l.arg(qkv).arg(&sc.u).arg(&sc.w).arg(&sc.g).arg(&segs.dev).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
         l.arg(&sc.s).arg(states);
         let mut lc = cfg((d.hv as u32, d.dv.div_ceil(32) as u32), 256, smem);
         lc.grid_dim.2 = segs.n as u32;
-        // SAFETY: matches gdn_chunk_state (prefill.cu); grid (hv, ceil(dv/32), sequences), dk <= 128 and % 4, dv % 8
-        // (checked); scratch holds the table's chunks (checked), shared memory as laid out there (<= SMEM_MAX for dk
-        // <= 128); the state table holds a whole state per sequence (its builder's contract, as gdn_prep's rings).
+        // SAFETY: matches gdn_chunk_state (prefill.cu); grid (hv, ceil(dv/32), sequences), dk <= 128 (d.check) and
+        // dk, dv % 8 (checked); scratch holds the table's chunks (checked), shared memory as laid out there (<=
+        // SMEM_MAX for dk <= 128); the state table holds a whole state per sequence (its builder's contract, as
+        // gdn_prep's rings).
         unsafe { l.launch(lc) }?;
-        let smem = (GDN_CHUNK * (d.dk + 4) + d.dk * (d.dv + 4) + GDN_CHUNK * (d.dv + 4) + GDN_CHUNK * GDN_CHUNK) * 4;
+        let smem = (c * (d.dk + 4) + 64 * (d.dk + 4) + c * (c + 4) + c * (64 + 8)) * 4;
         let mut l = self.launcher(&self.f.gdn_chunk_out);
         l.arg(qkv).arg(&sc.u).arg(&sc.p).arg(&sc.g).arg(&sc.s).arg(&segs.dev).arg(&v[0]).arg(&v[1]).arg(&v[2]);
         l.arg(&v[3]).arg(&v[4]).arg(&*o);
-        // SAFETY: matches gdn_chunk_out (prefill.cu); grid (chunks, hv), 4 tokens x 8 columns per thread (dv <= 128,
-        // % 8); reads the D and chunk states gdn_chunk_state just wrote; shared memory as laid out there.
-        unsafe { l.launch(cfg((segs.chunks as u32, d.hv as u32), 256, smem)) }?;
+        let mut lc = cfg((segs.chunks as u32, d.hv as u32), 256, smem);
+        lc.grid_dim.2 = d.dv.div_ceil(64) as u32;
+        // SAFETY: matches gdn_chunk_out (prefill.cu); grid (chunks, hv, ceil(dv/64)), dk, dv <= 128 and % 8
+        // (checked); reads the D and chunk states gdn_chunk_state just wrote; shared memory as laid out there.
+        unsafe { l.launch(lc) }?;
         Ok(())
     }
 

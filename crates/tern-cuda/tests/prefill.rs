@@ -719,8 +719,10 @@ fn gdn_chunked_matches_recurrence() {
                 report.push(format!(
                     "{name} seq {si} +{n} (to {pos0}): o {eo:.1e}/{eo2:.1e} state {es:.1e}/{es2:.1e} gated(bf16) {eg:.1e}/{eg2:.1e} vs f32 cpu {e32:.1e}"
                 ));
+                // the state's products are 3xTF32 (~f32); the outputs' take tf32 operands rounded to nearest (unit
+                // roundoff 2^-11 = 4.9e-4, two rounded operands a product): norm-relative 4u
                 assert!(
-                    eo2 < 1e-3 && es2 < 1e-3 && eo < 1e-2 && es < 1e-2,
+                    eo2 < 2e-3 && es2 < 1e-3 && eo < 1e-2 && es < 1e-2,
                     "{name} seq {si} +{n}: o {eo}/{eo2} state {es}/{es2}"
                 );
                 assert!(eg2 < 8e-3 && e32 < 8e-3, "{name} seq {si} +{n}: gated output {eg2}, vs f32 cpu {e32}");

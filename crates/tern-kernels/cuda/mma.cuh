@@ -76,3 +76,52 @@ __device__ __forceinline__ void dequant8(uint32_t w, __nv_bfloat162 s2, __nv_bfl
     out[2] = prmt(p[0], p[1], 0x7632);  // 4, 5
     out[3] = prmt(p[2], p[3], 0x7632);  // 6, 7
 }
+
+// ---- tf32 (the chunked Gated DeltaNet: f32 data, tensor cores)
+// Fragments of mma.sync.m16n8k8 (tf32 operands, f32 accumulators), lane = 4*g + t:
+//   A (16x8, row-major M x K): a[0] = (row g, k t), a[1] = (row g+8, k t), a[2] = (row g, k t+4), a[3] = (g+8, t+4)
+//   B (8x8, K x N):            b[0] = (k t, n g), b[1] = (k t+4, n g)
+//   C as m16n8k16's.
+// ldmatrix.x4 reads f32 data as b16 pairs: matrix i's row r is 4 floats, and register i of lane 4g + t receives
+// float t of row g. So an A fragment is one x4 of rows 0-7 / 8-15 at k, k+4 of a row-major [M][K] tile, and two B
+// fragments (n-tiles j, j+1) one x4 of a [N][K] tile (k contiguous per n).
+
+// x rounded to tf32 (nearest, ties away), as f32 bits with the low 13 bits zero
+__device__ __forceinline__ uint32_t tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+// x = hi + lo, both tf32: the 3xTF32 split (hi*hi + hi*lo + lo*hi carries ~f32 precision)
+__device__ __forceinline__ void tf32_split(uint32_t x, uint32_t& hi, uint32_t& lo) {
+    hi = tf32(__uint_as_float(x));
+    lo = tf32(__uint_as_float(x) - __uint_as_float(hi));
+}
+
+// d += a * b (m16n8k8, tf32 in, f32 accumulate)
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// An A fragment split for 3xTF32, and d += a * b in three tf32 products (the small ones first).
+struct Tf32A {
+    uint32_t hi[4], lo[4];
+};
+__device__ __forceinline__ Tf32A tf32_a(const uint32_t (&raw)[4]) {
+    Tf32A f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) tf32_split(raw[i], f.hi[i], f.lo[i]);
+    return f;
+}
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const Tf32A& a, uint32_t b0, uint32_t b1) {
+    uint32_t h0, l0, h1, l1;
+    tf32_split(b0, h0, l0);
+    tf32_split(b1, h1, l1);
+    mma_tf32(d, a.lo, h0, h1);
+    mma_tf32(d, a.hi, l0, l1);
+    mma_tf32(d, a.hi, h0, h1);
+}

@@ -33,12 +33,13 @@
 //                 (j <= i); solves (I + A) [U | W] = [diag(beta) V | diag(beta e^G) K] by forward substitution (one
 //                 column per thread). -> U [c,h,64,dv], W [c,h,64,dk], P [c,h,64,64], G [c,h,64].
 //                 FLOPs per chunk-head ~ 2*64*64*(2dk) + 64*64*(dk+dv).
-// gdn_chunk_state phase 2a (sequential over a sequence's chunks), per (value head, 32-column slice, sequence),
-//                 state slice S [dk,32] f32 in
-//                 shared memory, the next chunk's operands double-buffered: Sc[c] = S; D = U - W S (over U);
-//                 S <- e^{G_last} S + (diag(e^{G_last - G}) K)^T D. FLOPs per chunk-slice 2*64*32*2dk.
-// gdn_chunk_out   phase 2b (every chunk and head in parallel): o = diag(e^G) Q Sc + P D -> o [N, Hv, dv] f32.
-//                 FLOPs per chunk-head 2*64*dv*(dk + 32).
+// gdn_chunk_state phase 2a (sequential over a sequence's chunks), per (value head, 32-column slice, sequence), on
+//                 tensor cores (3xTF32: ~f32 products, f32 sums): the state slice S^T [32, dk] as f32 mma
+//                 accumulators, the next chunk's operands double-buffered: Sc[c] = S (as S^T); D = U - W S (over
+//                 U); S <- e^{G_last} S + (diag(e^{G_last - G}) K)^T D. FLOPs per chunk-slice 2*64*32*2dk (x3).
+// gdn_chunk_out   phase 2b (every chunk, head and 64-column slice in parallel; tf32 tensor cores, operands rounded
+//                 to nearest): o = diag(e^G) Q Sc + P D -> o [N, Hv, dv] f32. FLOPs per chunk-head
+//                 2*64*dv*(dk + 32).
 // gdn_gated_norm  o * rsqrt(mean(o^2) + eps) * norm * silu(z) per (token, value head) -> bf16 [N, Hv*dv]. One warp
 //                 per (token, head).
 // gdn_ring        ring slot p % K <- the pre-conv input of position p for the last min(N, K) positions (after
@@ -488,7 +489,10 @@ __device__ __forceinline__ void copy_rows(float* dst, int lds, const float* src,
     }
 }
 
-// Phase 1. Grid (chunks of the pass, Hv), 256 threads; dk, dv <= 128, dk + dv <= 256, both % 4 == 0.
+// Phase 1. Grid (chunks of the pass, Hv), 256 threads; dk, dv <= 128, dk + dv <= 256, dk % 8 == 0, dv % 4 == 0.
+// The Gram products K K^T and Q K^T on tensor cores (3xTF32: ~f32), warp w's tiles rows 16(w%4).., columns
+// 32(w/4).. (those wholly above the diagonal skipped); the substitution in f32, one column per thread, its
+// right-hand side loaded straight into registers (V from global, e^G K from shared).
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __restrict__ qkv,
                                                                  const float* __restrict__ beta,
                                                                  const float* __restrict__ gl,
@@ -497,21 +501,20 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
                                                                  float* __restrict__ Wg, float* __restrict__ Pg,
                                                                  float* __restrict__ Gg) {
     extern __shared__ __align__(16) float sm[];
-    const int ldk = dk + 4, ncol = dk + dv;
-    float* Ks = sm;                  // [64][dk+4]
-    float* Qs = Ks + GC * ldk;       // [64][dk+4]
-    float* Xs = Qs + GC * ldk;       // [64][dv+dk]: V, then the right-hand sides, then the solution
-    float* As = Xs + GC * ncol;      // [64][68] (rows 16-byte aligned: float4 reads)
+    const int ldk = dk + 4, lda = GC + 4, ncol = dk + dv;
+    float* Ks = sm;             // [64][dk+4]
+    float* Qs = Ks + GC * ldk;  // [64][dk+4], then (after the Gram products) A [64][68]
+    float* As = Qs;
     __shared__ float Gs[GC], Bs[GC];
     pdl_wait();
-    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
     const Seg sg = seg_at(segs, seg_find(segs, nseg, c, 3));
     const int t0 = sg.r0 + (c - sg.c0) * GC, L = min(GC, sg.r0 + sg.k - t0);
     const float* rows = qkv + (long)t0 * conv_dim;
     copy_rows(Qs, ldk, rows + kh * dk, conv_dim, GC, L, dk / 4);
     copy_rows(Ks, ldk, rows + Kd + kh * dk, conv_dim, GC, L, dk / 4);
-    copy_rows(Xs, ncol, rows + 2 * Kd + h * dv, conv_dim, GC, L, dv / 4);
     cp_async_commit();
     if (tid < GC) {
         const bool ok = tid < L;
@@ -534,67 +537,73 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
     __syncthreads();
     const long cb = (long)c * Hv + h;  // chunk-head index
     if (tid < GC) Gg[cb * GC + tid] = Gs[tid];
-    // A[i,j] = beta_i e^{G_i-G_j} k_i.k_j (j < i) and P[i,j] = e^{G_i-G_j} q_i.k_j (j <= i): 4x4 per thread
-    {
-        const int ti = tid >> 4, tj = tid & 15;
-        float a[4][4] = {}, p[4][4] = {};
-        for (int d = 0; d < dk; d += 4) {
-            float4 ki[4], qi[4], kj[4];
+    // A[i,j] = beta_i e^{G_i-G_j} k_i.k_j (j < i) and P[i,j] = e^{G_i-G_j} q_i.k_j (j <= i)
+    const int mt = w & 3, n0 = 32 * (w >> 2);
+    const bool live = n0 <= 16 * mt + 15;  // any of the warp's columns on or below the diagonal
+    float a[4][4] = {}, p[4][4] = {};
+    if (live) {
+        const int ar = (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * ldk + 4 * (lane >> 4);
+        const int br = (n0 + 8 * (lane >> 4) + (lane & 7)) * ldk + 4 * ((lane >> 3) & 1);
+        for (int k0 = 0; k0 < dk; k0 += 8) {
+            uint32_t kr[4], qr[4], b[4], b2[4];
+            ldsm_x4(kr, Ks + ar + k0);
+            ldsm_x4(qr, Qs + ar + k0);
+            ldsm_x4(b, Ks + br + k0);
+            ldsm_x4(b2, Ks + br + 16 * ldk + k0);
+            const Tf32A fk = tf32_a(kr), fq = tf32_a(qr);
+            const uint32_t bb[4][2] = {{b[0], b[1]}, {b[2], b[3]}, {b2[0], b2[1]}, {b2[2], b2[3]}};
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
-                ki[r] = *reinterpret_cast<const float4*>(Ks + (4 * ti + r) * ldk + d);
-                qi[r] = *reinterpret_cast<const float4*>(Qs + (4 * ti + r) * ldk + d);
-                kj[r] = *reinterpret_cast<const float4*>(Ks + (4 * tj + r) * ldk + d);
+            for (int j = 0; j < 4; j++) {
+                mma_3xtf32(a[j], fk, bb[j][0], bb[j][1]);
+                mma_3xtf32(p[j], fq, bb[j][0], bb[j][1]);
             }
+        }
+    }
+    __syncthreads();  // Q read: its space becomes A
+    if (live) {
 #pragma unroll
-            for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++)
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    a[r][q] += ki[r].x * kj[q].x + ki[r].y * kj[q].y + ki[r].z * kj[q].z + ki[r].w * kj[q].w;
-                    p[r][q] += qi[r].x * kj[q].x + qi[r].y * kj[q].y + qi[r].z * kj[q].z + qi[r].w * kj[q].w;
+            for (int hf = 0; hf < 2; hf++) {
+                const int i = 16 * mt + g + 8 * hf, jc = n0 + 8 * j + 2 * t4;
+                float av[2], pv[2];
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int jj = jc + e;
+                    const float dec = jj <= i ? expf(Gs[i] - Gs[jj]) : 0.f;
+                    av[e] = jj < i ? Bs[i] * dec * a[j][2 * hf + e] : 0.f;
+                    pv[e] = p[j][2 * hf + e] * dec;
                 }
-        }
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const int i = 4 * ti + r;
-            float pv[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int j = 4 * tj + q;
-                const float dec = j <= i ? expf(Gs[i] - Gs[j]) : 0.f;
-                As[i * (GC + 4) + j] = j < i ? Bs[i] * dec * a[r][q] : 0.f;
-                pv[q] = p[r][q] * dec;
+                *reinterpret_cast<float2*>(As + i * lda + jc) = make_float2(av[0], av[1]);
+                *reinterpret_cast<float2*>(Pg + cb * GC * GC + i * GC + jc) = make_float2(pv[0], pv[1]);
             }
-            *reinterpret_cast<float4*>(Pg + cb * GC * GC + i * GC + 4 * tj) = make_float4(pv[0], pv[1], pv[2], pv[3]);
-        }
     }
-    // right-hand sides, one column per thread: columns < dv are beta v (V already there), the rest beta e^G k
+    // the right-hand sides, one column per thread, in registers: columns < dv are beta v, the rest beta e^G k
     const int col = tid;
-    if (col < ncol) {
-        for (int i = 0; i < GC; i++) {
-            float* x = Xs + i * ncol + col;
-            *x = col < dv ? Bs[i] * *x : Bs[i] * expf(Gs[i]) * Ks[i * ldk + col - dv];
-        }
+    float x[GC];
+    if (col < dv) {
+        const float* vc = rows + 2 * Kd + h * dv + col;
+#pragma unroll
+        for (int i = 0; i < GC; i++) x[i] = i < L ? Bs[i] * vc[(long)i * conv_dim] : 0.f;
+    } else if (col < ncol) {
+#pragma unroll
+        for (int i = 0; i < GC; i++) x[i] = Bs[i] * expf(Gs[i]) * Ks[i * ldk + col - dv];
     }
-    __syncthreads();
+    __syncthreads();  // A written
     // forward substitution (I + A) X = RHS; each thread owns its column, held in registers (the loops unrolled: every
     // index is a constant), four partial sums per row (j mod 4, the remainder into the first), A's row read 4 at a time
     if (col < ncol) {
-        const float* xc = Xs + col;
-        float x[GC];
-#pragma unroll
-        for (int i = 0; i < GC; i++) x[i] = xc[i * ncol];
 #pragma unroll
         for (int i = 1; i < GC; i++) {
-            const float* ai = As + i * (GC + 4);
+            const float* ai = As + i * lda;
             float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma unroll
             for (int j = 0; j + 4 <= i; j += 4) {
-                const float4 a = *reinterpret_cast<const float4*>(ai + j);
-                s0 = fmaf(a.x, x[j], s0);
-                s1 = fmaf(a.y, x[j + 1], s1);
-                s2 = fmaf(a.z, x[j + 2], s2);
-                s3 = fmaf(a.w, x[j + 3], s3);
+                const float4 av = *reinterpret_cast<const float4*>(ai + j);
+                s0 = fmaf(av.x, x[j], s0);
+                s1 = fmaf(av.y, x[j + 1], s1);
+                s2 = fmaf(av.z, x[j + 2], s2);
+                s3 = fmaf(av.w, x[j + 3], s3);
             }
 #pragma unroll
             for (int j = i & ~3; j < i; j++) s0 = fmaf(ai[j], x[j], s0);
@@ -613,11 +622,14 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_prep(const float* __
 }
 
 #define GS_C 32  // state columns per block of the scan
-// Phase 2a: a sequence's state through its chunks in order. Grid (Hv, ceil(dv / 32), sequences), 256 threads;
-// states[s] = sequence s's state [Hv, dk, dv]; dk <= 128, dk % 4 == 0,
-// dv % 4 == 0. Per chunk: Sc[c] <- S (the chunk's starting state, for gdn_chunk_out); D = U - W S (written over
-// U); S <- e^{G_last} S + (diag(e^{G_last - G}) K)^T D. The next chunk's W, K, U, G arrive by cp.async while
-// this one computes (two buffers).
+// Phase 2a: a sequence's state through its chunks in order, on tensor cores (3xTF32: ~f32 products, f32 sums; the
+// state itself never leaves f32 registers). Grid (Hv, ceil(dv / 32), sequences), 256 threads (8 warps); states[s]
+// = sequence s's state [Hv, dk, dv]; dk <= 128, dk % 8 == 0, dv % 8 == 0. The block holds S^T (its 32 columns x
+// dk) as mma accumulators: warp w owns key dims 16w..16w+15. Per chunk:
+//   Sc[c] <- S (the chunk's starting state, for gdn_chunk_out, as S^T: [c, h, dv, dk]);
+//   D = U - W S (warp w: tokens 16(w%4).., columns 16(w/4)..; written over U, [c, h, 64, dv]);
+//   S^T <- e^{G_last} S^T + (diag(e^{G_last - G}) D)^T K.
+// The next chunk's W, K, U, G arrive by cp.async while this one computes (two buffers).
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* __restrict__ qkv,
                                                                   float* __restrict__ Ug,
                                                                   const float* __restrict__ Wg,
@@ -626,14 +638,17 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* _
                                                                   int dv, float* __restrict__ Sc,
                                                                   const unsigned long long* __restrict__ states) {
     extern __shared__ __align__(16) float sm[];
-    const int ldk = dk + 4;
-    const int buf_f = 2 * GC * ldk + GC * GS_C + GC;  // floats of one buffer: W, K, U slice, G
-    float* Ss = sm;                  // [dk][32]
-    float* Ds = Ss + dk * GS_C;      // [64][32]
-    float* bufs = Ds + GC * GS_C;    // 2 x {W [64][dk+4], K [64][dk+4], U [64][32], G [64]}
+    // row strides: W and S^T dk + 4 (ldmatrix rows on distinct banks), K dk + 8 (its B fragments are read one
+    // float a lane: rows t..t+3 then fall 8 banks apart), U 40 (float2 reads by rows g, columns 2t), D'^T 68
+    const int lw = dk + 4, lk = dk + 8, lu = 40, ld = GC + 4;
+    const int buf_f = GC * lw + GC * lk + GC * lu + GC;  // floats of one buffer: W, K, U slice, G
+    float* St = sm;                   // [32][dk+4]: S^T, this chunk's starting state
+    float* Dt = St + GS_C * lw;       // [32][68]: (diag(kdec) D)^T
+    float* bufs = Dt + GS_C * ld;     // 2 x {W [64][dk+4], K [64][dk+8], U [64][40], G [64]}
     __shared__ float kdec[GC];
     pdl_wait();
-    const int h = blockIdx.x, j0 = blockIdx.y * GS_C, tid = threadIdx.x;
+    const int h = blockIdx.x, j0 = blockIdx.y * GS_C, tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
     const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
     const int nc = min(GS_C, dv - j0);
     const Seg sg = seg_at(segs, blockIdx.z);
@@ -643,18 +658,26 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* _
         float* b = bufs + (c & 1) * buf_f;
         const long cb = (long)(sg.c0 + c) * Hv + h;
         const int t0 = sg.r0 + c * GC, L = min(GC, sg.k - c * GC);
-        copy_rows(b, ldk, Wg + cb * GC * dk, dk, GC, GC, dk / 4);
-        copy_rows(b + GC * ldk, ldk, qkv + (long)t0 * conv_dim + Kd + kh * dk, conv_dim, GC, L, dk / 4);
-        copy_rows(b + 2 * GC * ldk, GS_C, Ug + cb * GC * dv + j0, dv, GC, GC, nc / 4);
-        copy_rows(b + 2 * GC * ldk + GC * GS_C, GC, Gg + cb * GC, GC, 1, 1, GC / 4);
+        copy_rows(b, lw, Wg + cb * GC * dk, dk, GC, GC, dk / 4);
+        copy_rows(b + GC * lw, lk, qkv + (long)t0 * conv_dim + Kd + kh * dk, conv_dim, GC, L, dk / 4);
+        copy_rows(b + GC * (lw + lk), lu, Ug + cb * GC * dv + j0, dv, GC, GC, nc / 4);
+        copy_rows(b + GC * (lw + lk + lu), GC, Gg + cb * GC, GC, 1, 1, GC / 4);
         cp_async_commit();
     };
     issue(0);
-    for (int i = tid; i < dk * GS_C; i += blockDim.x) {
-        const int r = i / GS_C, j = i % GS_C;
-        Ss[i] = j < nc ? S[r * dv + j0 + j] : 0.f;
-    }
-    const int rg = tid >> 3, cg = tid & 7;
+    // S^T accumulators: sa[m][j] = columns 16m + g (+8), key dims 16w + 8j + 2t4 (+1)
+    const bool owner = 16 * w < dk;
+    float sa[2][2][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = 16 * m + g + 8 * (e >> 1), r = 16 * w + 8 * j + 2 * t4 + (e & 1);
+                sa[m][j][e] = owner && r < dk && col < nc ? S[(long)r * dv + j0 + col] : 0.f;
+            }
+    const int mt = w & 3, nt0 = 2 * (w >> 2);  // the D tile of warp w: tokens 16mt.., column n-tiles nt0, nt0 + 1
     for (int c = 0; c < nchunks; c++) {
         const long cb = (long)(sg.c0 + c) * Hv + h;
         if (c + 1 < nchunks) {
@@ -665,83 +688,104 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_state(const float* _
         }
         __syncthreads();
         const float* Wb = bufs + (c & 1) * buf_f;
-        const float* Kb = Wb + GC * ldk;
-        const float* Ub = Kb + GC * ldk;
-        const float* Gb = Ub + GC * GS_C;
+        const float* Kb = Wb + GC * lw;
+        const float* Ub = Kb + GC * lk;
+        const float* Gb = Ub + GC * lu;
         if (tid < GC) kdec[tid] = expf(Gb[GC - 1] - Gb[tid]);
-        // the chunk's starting state, for the output kernel
-        for (int i = tid; i < dk * GS_C / 4; i += blockDim.x) {
-            const int r = i / (GS_C / 4), j = 4 * (i % (GS_C / 4));
-            if (j < nc)
-                *reinterpret_cast<float4*>(Sc + (cb * dk + r) * dv + j0 + j) = *reinterpret_cast<const float4*>(Ss + r * GS_C + j);
-        }
-        // D = U - W S: rows 2rg, 2rg+1, columns 4cg..4cg+3
-        {
-            float acc[2][4] = {};
-            for (int d = 0; d < dk; d += 4) {
-                const float4 w0 = *reinterpret_cast<const float4*>(Wb + (2 * rg) * ldk + d);
-                const float4 w1 = *reinterpret_cast<const float4*>(Wb + (2 * rg + 1) * ldk + d);
-                const float wa[2][4] = {{w0.x, w0.y, w0.z, w0.w}, {w1.x, w1.y, w1.z, w1.w}};
+        // S^T into shared memory (the B operand of W S) and out to Sc (the chunk's starting state)
+        if (owner) {
 #pragma unroll
-                for (int dd = 0; dd < 4; dd++) {
-                    const float4 sv = *reinterpret_cast<const float4*>(Ss + (d + dd) * GS_C + 4 * cg);
+            for (int m = 0; m < 2; m++)
 #pragma unroll
-                    for (int r = 0; r < 2; r++) {
-                        acc[r][0] = fmaf(wa[r][dd], sv.x, acc[r][0]);
-                        acc[r][1] = fmaf(wa[r][dd], sv.y, acc[r][1]);
-                        acc[r][2] = fmaf(wa[r][dd], sv.z, acc[r][2]);
-                        acc[r][3] = fmaf(wa[r][dd], sv.w, acc[r][3]);
+                for (int j = 0; j < 2; j++) {
+                    const int r = 16 * w + 8 * j + 2 * t4;
+                    if (r >= dk) continue;
+#pragma unroll
+                    for (int hf = 0; hf < 2; hf++) {
+                        const int col = 16 * m + g + 8 * hf;
+                        const float2 v = make_float2(sa[m][j][2 * hf], sa[m][j][2 * hf + 1]);
+                        *reinterpret_cast<float2*>(St + col * lw + r) = v;
+                        if (col < nc) *reinterpret_cast<float2*>(Sc + (cb * dv + j0 + col) * dk + r) = v;
                     }
                 }
+        }
+        __syncthreads();
+        // D = U - W S: warp tile 16 tokens x 16 columns, k over dk
+        {
+            float acc[2][4] = {};
+            const float* wa = Wb + (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * lw + 4 * (lane >> 4);
+            const float* sb = St + (8 * (nt0 + (lane >> 4)) + (lane & 7)) * lw + 4 * ((lane >> 3) & 1);
+            for (int k0 = 0; k0 < dk; k0 += 8) {
+                uint32_t ar[4], br[4];
+                ldsm_x4(ar, wa + k0);
+                ldsm_x4(br, sb + k0);
+                const Tf32A a = tf32_a(ar);
+                mma_3xtf32(acc[0], a, br[0], br[1]);
+                mma_3xtf32(acc[1], a, br[2], br[3]);
             }
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                const int t = 2 * rg + r;
-                const float4 u = *reinterpret_cast<const float4*>(Ub + t * GS_C + 4 * cg);
-                const float4 dv4 = make_float4(u.x - acc[r][0], u.y - acc[r][1], u.z - acc[r][2], u.w - acc[r][3]);
-                *reinterpret_cast<float4*>(Ds + t * GS_C + 4 * cg) = dv4;
-                if (4 * cg < nc) *reinterpret_cast<float4*>(Ug + cb * GC * dv + t * dv + j0 + 4 * cg) = dv4;
+            for (int j = 0; j < 2; j++) {
+                const int col = 8 * (nt0 + j) + 2 * t4;
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    const int t = 16 * mt + g + 8 * hf;
+                    const float2 u = *reinterpret_cast<const float2*>(Ub + t * lu + col);
+                    const float d0 = u.x - acc[j][2 * hf], d1 = u.y - acc[j][2 * hf + 1];
+                    const bool ok = col < nc;
+                    if (ok) *reinterpret_cast<float2*>(Ug + cb * GC * dv + (long)t * dv + j0 + col) = make_float2(d0, d1);
+                    Dt[col * ld + t] = ok ? kdec[t] * d0 : 0.f;
+                    Dt[(col + 1) * ld + t] = ok ? kdec[t] * d1 : 0.f;
+                }
             }
         }
         __syncthreads();
-        // S <- e^{G_last} S + sum_t kdec_t k_t D_t^T: rows 4rb..4rb+3, columns 4cg..
-        const float elast = expf(Gb[GC - 1]);
-        for (int rb = rg; rb < dk / 4; rb += 32) {
-            float sa[4][4] = {};
-            for (int t = 0; t < GC; t++) {
-                const float4 kv = *reinterpret_cast<const float4*>(Kb + t * ldk + 4 * rb);
-                const float4 d4 = *reinterpret_cast<const float4*>(Ds + t * GS_C + 4 * cg);
-                const float kd = kdec[t];
-                const float ka[4] = {kv.x * kd, kv.y * kd, kv.z * kd, kv.w * kd};
+        // S^T <- e^{G_last} S^T + D'^T K: warp w's key dims, both 16-column halves, k over the chunk's tokens
+        if (owner) {
+            const float elast = expf(Gb[GC - 1]);
 #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    sa[i][0] = fmaf(ka[i], d4.x, sa[i][0]);
-                    sa[i][1] = fmaf(ka[i], d4.y, sa[i][1]);
-                    sa[i][2] = fmaf(ka[i], d4.z, sa[i][2]);
-                    sa[i][3] = fmaf(ka[i], d4.w, sa[i][3]);
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) sa[m][j][e] *= elast;
+            const bool two = 16 * w + 8 < dk;
+            const float* da = Dt + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 4 * (lane >> 4);
+            const float* kb = Kb + t4 * lk + 16 * w + g;
+#pragma unroll 2
+            for (int k0 = 0; k0 < GC; k0 += 8) {
+                uint32_t a0[4], a1[4];
+                ldsm_x4(a0, da + k0);
+                ldsm_x4(a1, da + 16 * ld + k0);
+                const Tf32A f0 = tf32_a(a0), f1 = tf32_a(a1);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    if (j == 1 && !two) break;
+                    const uint32_t b0 = __float_as_uint(kb[k0 * lk + 8 * j]);
+                    const uint32_t b1 = __float_as_uint(kb[(k0 + 4) * lk + 8 * j]);
+                    mma_3xtf32(sa[0][j], f0, b0, b1);
+                    mma_3xtf32(sa[1][j], f1, b0, b1);
                 }
             }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float4* sp = reinterpret_cast<float4*>(Ss + (4 * rb + i) * GS_C + 4 * cg);
-                float4 sv = *sp;
-                sv.x = fmaf(elast, sv.x, sa[i][0]);
-                sv.y = fmaf(elast, sv.y, sa[i][1]);
-                sv.z = fmaf(elast, sv.z, sa[i][2]);
-                sv.w = fmaf(elast, sv.w, sa[i][3]);
-                *sp = sv;
-            }
         }
-        __syncthreads();  // S and D settled; this buffer may be refilled
+        __syncthreads();  // D'^T, kdec and this buffer may be rewritten
     }
-    for (int i = tid; i < dk * GS_C; i += blockDim.x) {
-        const int r = i / GS_C, j = i % GS_C;
-        if (j < nc) S[r * dv + j0 + j] = Ss[i];
+    if (owner) {
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int col = 16 * m + g + 8 * (e >> 1), r = 16 * w + 8 * j + 2 * t4 + (e & 1);
+                    if (r < dk && col < nc) S[(long)r * dv + j0 + col] = sa[m][j][e];
+                }
     }
 }
 
-// Phase 2b: outputs, every (chunk, value head) in parallel: O = diag(e^G) Q Sc + P D. Grid (chunks of the pass, Hv), 256
-// threads: 4 tokens x 8 columns each; dk <= 128, dv <= 128, both % 8 == 0 (dk % 4).
+#define GO_C 64  // output columns per block of gdn_chunk_out
+// Phase 2b: outputs, every (chunk, value head, 64-column slice) in parallel, on tensor cores (tf32 operands rounded
+// to nearest, f32 sums): O = diag(e^G) Q Sc + P D. Grid (chunks of the pass, Hv, ceil(dv / 64)), 256 threads: warp w
+// computes tokens 16(w%4).. x columns 32(w/4)..; dk <= 128, dv <= 128, both % 8 == 0.
 extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(const float* __restrict__ qkv,
                                                                 const float* __restrict__ Dg,
                                                                 const float* __restrict__ Pg,
@@ -750,72 +794,77 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk_out(const float* __r
                                                                 const int* __restrict__ segs, int nseg, int Hk, int Hv,
                                                                 int dk, int dv, float* __restrict__ o) {
     extern __shared__ __align__(16) float sm[];
-    const int ldk = dk + 4, ldv = dv + 4;
+    const int lq = dk + 4, lp = GC + 4, ldd = GO_C + 8;
     float* Qs = sm;                 // [64][dk+4]
-    float* Ss = Qs + GC * ldk;      // [dk][dv+4]
-    float* Ds = Ss + dk * ldv;      // [64][dv+4]
-    float* Ps = Ds + GC * ldv;      // [64][64]
+    float* Ss = Qs + GC * lq;       // [64][dk+4]: the chunk's starting state, S^T rows j0..
+    float* Ps = Ss + GO_C * lq;     // [64][68]
+    float* Ds = Ps + GC * lp;       // [64][72]: D, columns j0.. (B fragments read one float a lane)
     __shared__ float Gs[GC];
     pdl_wait();
-    const int c = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
-    const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk);
+    const int c = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * GO_C, tid = threadIdx.x, lane = tid & 31;
+    const int w = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int Kd = Hk * dk, conv_dim = 2 * Kd + Hv * dv, kh = h / (Hv / Hk), nc = min(GO_C, dv - j0);
     const Seg sg = seg_at(segs, seg_find(segs, nseg, c, 3));
     const int t0 = sg.r0 + (c - sg.c0) * GC, L = min(GC, sg.r0 + sg.k - t0);
     const long cb = (long)c * Hv + h;
-    copy_rows(Qs, ldk, qkv + (long)t0 * conv_dim + kh * dk, conv_dim, GC, L, dk / 4);
-    copy_rows(Ss, ldv, Sc + cb * dk * dv, dv, dk, dk, dv / 4);
-    copy_rows(Ds, ldv, Dg + cb * GC * dv, dv, GC, GC, dv / 4);
-    copy_rows(Ps, GC, Pg + cb * GC * GC, GC, GC, GC, GC / 4);
+    copy_rows(Qs, lq, qkv + (long)t0 * conv_dim + kh * dk, conv_dim, GC, L, dk / 4);
+    copy_rows(Ss, lq, Sc + (cb * dv + j0) * dk, dk, GO_C, nc, dk / 4);
+    copy_rows(Ps, lp, Pg + cb * GC * GC, GC, GC, GC, GC / 4);
+    copy_rows(Ds, ldd, Dg + cb * GC * dv + j0, dv, GC, GC, nc / 4);
     cp_async_commit();
     if (tid < GC) Gs[tid] = Gg[cb * GC + tid];
     cp_async_wait<0>();
     __syncthreads();
-    const int rg = tid >> 4, cg = tid & 15;  // tokens 4rg..4rg+3, columns 8cg..8cg+7
-    if (8 * cg >= dv) return;
-    float acc[4][8] = {};
-    for (int d = 0; d < dk; d += 4) {
-        float qa[4][4];
+    const int mt = w & 3, n0 = 32 * (w >> 2);  // tokens 16mt.., columns n0.. (four n-tiles)
+    if (n0 >= nc) return;
+    float acc[4][4] = {};
+    {
+        const float* qa = Qs + (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * lq + 4 * (lane >> 4);
+        const float* sb = Ss + (n0 + 8 * (lane >> 4) + (lane & 7)) * lq + 4 * ((lane >> 3) & 1);
+        for (int k0 = 0; k0 < dk; k0 += 8) {
+            uint32_t a[4], b[4], b2[4];
+            ldsm_x4(a, qa + k0);
+            ldsm_x4(b, sb + k0);
+            ldsm_x4(b2, sb + 16 * lq + k0);
 #pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const float4 q = *reinterpret_cast<const float4*>(Qs + (4 * rg + r) * ldk + d);
-            qa[r][0] = q.x, qa[r][1] = q.y, qa[r][2] = q.z, qa[r][3] = q.w;
+            for (int i = 0; i < 4; i++) {
+                a[i] = tf32(__uint_as_float(a[i]));
+                b[i] = tf32(__uint_as_float(b[i]));
+                b2[i] = tf32(__uint_as_float(b2[i]));
+            }
+            mma_tf32(acc[0], a, b[0], b[1]);
+            mma_tf32(acc[1], a, b[2], b[3]);
+            mma_tf32(acc[2], a, b2[0], b2[1]);
+            mma_tf32(acc[3], a, b2[2], b2[3]);
         }
+    }
+    const float e0 = expf(Gs[16 * mt + g]), e1 = expf(Gs[16 * mt + g + 8]);
 #pragma unroll
-        for (int dd = 0; dd < 4; dd++) {
-            const float4 s0 = *reinterpret_cast<const float4*>(Ss + (d + dd) * ldv + 8 * cg);
-            const float4 s1 = *reinterpret_cast<const float4*>(Ss + (d + dd) * ldv + 8 * cg + 4);
-            const float sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+    for (int j = 0; j < 4; j++) acc[j][0] *= e0, acc[j][1] *= e0, acc[j][2] *= e1, acc[j][3] *= e1;
+    // + P D over s < 16(mt + 1) (P is zero above the diagonal)
+    {
+        const float* pa = Ps + (16 * mt + (lane & 7) + 8 * ((lane >> 3) & 1)) * lp + 4 * (lane >> 4);
+        const float* db = Ds + t4 * ldd + n0 + g;
+        for (int k0 = 0; k0 < 16 * (mt + 1); k0 += 8) {
+            uint32_t a[4];
+            ldsm_x4(a, pa + k0);
 #pragma unroll
-            for (int r = 0; r < 4; r++)
+            for (int i = 0; i < 4; i++) a[i] = tf32(__uint_as_float(a[i]));
 #pragma unroll
-                for (int j = 0; j < 8; j++) acc[r][j] = fmaf(qa[r][dd], sv[j], acc[r][j]);
+            for (int j = 0; j < 4; j++)
+                mma_tf32(acc[j], a, tf32(db[k0 * ldd + 8 * j]), tf32(db[(k0 + 4) * ldd + 8 * j]));
         }
     }
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const float eg = expf(Gs[4 * rg + r]);
+    for (int j = 0; j < 4; j++) {
+        const int col = n0 + 8 * j + 2 * t4;
+        if (col >= nc) continue;
 #pragma unroll
-        for (int j = 0; j < 8; j++) acc[r][j] *= eg;
-    }
-    // + P D over s <= t (P is zero above the diagonal)
-    for (int s = 0; s < 4 * rg + 4; s++) {
-        const float4 d0 = *reinterpret_cast<const float4*>(Ds + s * ldv + 8 * cg);
-        const float4 d1 = *reinterpret_cast<const float4*>(Ds + s * ldv + 8 * cg + 4);
-        const float dvv[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const float pv = Ps[(4 * rg + r) * GC + s];
-#pragma unroll
-            for (int j = 0; j < 8; j++) acc[r][j] = fmaf(pv, dvv[j], acc[r][j]);
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int t = 4 * rg + r;
-        if (t < L) {
-            float* op = o + (long)(t0 + t) * Hv * dv + h * dv + 8 * cg;
-            *reinterpret_cast<float4*>(op) = make_float4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-            *reinterpret_cast<float4*>(op + 4) = make_float4(acc[r][4], acc[r][5], acc[r][6], acc[r][7]);
+        for (int hf = 0; hf < 2; hf++) {
+            const int t = 16 * mt + g + 8 * hf;
+            if (t < L)
+                *reinterpret_cast<float2*>(o + (long)(t0 + t) * Hv * dv + h * dv + j0 + col) =
+                    make_float2(acc[j][2 * hf], acc[j][2 * hf + 1]);
         }
     }
 }
