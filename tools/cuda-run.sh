@@ -8,6 +8,7 @@
 #                                        random checkpoint, serve_probe.py, probe_client_cost.py, serve_load.py
 #   tools/cuda-run.sh soak SECS [clients] [serve args]  the same server under tools/soak.py (default 64 clients)
 #   tools/cuda-run.sh soak-start SECS [clients], then soak-wait  a soak longer than one call (two calls back to back)
+#   tools/cuda-run.sh fla [T ...]         FLA's chunked GDN at the model's shape, GPU time (tools/gdn_fla.py; carry .whl)
 #   tools/cuda-run.sh moe                tools/moe_bench.cu: the streamed expert kernels alone at B = 1 / 8 / 32 / 64 (each
 #                                        variant's time, where the time goes, ring = register-streamed bit for bit)
 #   tools/cuda-run.sh ncu [kernel regex]  Nsight Compute on the batched decode's kernels (NCU_SKIP, NCU_COUNT)
@@ -47,6 +48,11 @@ tests | ignored)
   ;;
 moe)
   ./.carry/moe_bench 2>&1 | tee "$OUT/moe_bench.txt"
+  ;;
+fla)
+  # FLA's chunk_gated_delta_rule at the model's GDN shape (tools/gdn_fla.py; carry .whl, which holds .whl/fla/)
+  python3 -m pip install --no-deps -q .whl/fla/*.whl 2>&1 | grep -v WARNING
+  python3 tools/gdn_fla.py "${@:-4096}" 2>&1 | tee "$OUT/fla.txt"
   ;;
 bench)
   ctx=${1:-256,4096,32768}
