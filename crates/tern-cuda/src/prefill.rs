@@ -21,6 +21,10 @@ use crate::gpu::{cfg, Experts, Gpu, QMat, NULL};
 pub const STREAM_ROWS: usize = 64;
 /// Chunk length of the chunked Gated DeltaNet (GC in prefill.cu).
 pub(crate) const GDN_CHUNK: usize = 64;
+/// State columns per block of `gdn_chunk_state` and output columns per block of `gdn_chunk_out` (prefill.cu `GS_C`,
+/// `GO_C`): the launch grids and shared-memory sizes below follow them.
+const GDN_STATE_COLS: usize = 32;
+const GDN_OUT_COLS: usize = 64;
 /// Token tile of the grouped MoE GEMMs (BN of gemm_q4_swiglu / gemm_q4_gstore).
 pub(crate) const MOE_TILE: usize = 64;
 /// Shared memory of the GEMM instantiations (GemmCfg in gemm.cu; static_asserts there).
@@ -651,8 +655,8 @@ impl Gpu {
         l.arg(qkv).arg(beta).arg(gl).arg(&segs.dev).arg(&v[0]).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
         l.arg(&sc.u).arg(&sc.w).arg(&sc.p).arg(&sc.g);
         // SAFETY: matches gdn_chunk_prep (prefill.cu); grid (chunks, hv), one solution column per thread (dk + dv <=
-        // 256), dk % 8 for the tensor-core tiles (checked), shared memory as laid out there (K, then Q and A); scratch holds the table's chunks (checked), each chunk's rows lie
-        // in the pass's n rows (SegTable::set).
+        // 256), dk % 8 for the tensor-core tiles (checked), shared memory as laid out there (K, then Q and A);
+        // scratch holds the table's chunks (checked), each chunk's rows lie in the pass's n rows (SegTable::set).
         unsafe { l.launch(cfg((segs.chunks as u32, d.hv as u32), 256, smem)) }?;
         Ok(())
     }
@@ -682,25 +686,27 @@ impl Gpu {
         ensure!(states.len() >= segs.n && o.len() >= n * d.hv * d.dv, "gdn_chunk_scan: state table / output");
         ensure!(segs.n <= 65535, "gdn_chunk_scan: {} sequences", segs.n);
         let v = [segs.n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
-        let c = GDN_CHUNK;
+        let (c, sc_cols, out_cols) = (GDN_CHUNK, GDN_STATE_COLS, GDN_OUT_COLS);
+        // two buffers of {W, K, the U slice (row stride 40), G}, then S^T and (diag(kdec) D)^T
         let buf = c * (d.dk + 4) + c * (d.dk + 8) + c * 40 + c;
-        let smem = (2 * buf + 32 * (d.dk + 4) + 32 * (c + 4)) * 4;
+        let smem = (2 * buf + sc_cols * (d.dk + 4) + sc_cols * (c + 4)) * 4;
         let mut l = self.launcher(&self.f.gdn_chunk_state);
         l.arg(qkv).arg(&sc.u).arg(&sc.w).arg(&sc.g).arg(&segs.dev).arg(&v[1]).arg(&v[2]).arg(&v[3]).arg(&v[4]);
         l.arg(&sc.s).arg(states);
-        let mut lc = cfg((d.hv as u32, d.dv.div_ceil(32) as u32), 256, smem);
+        let mut lc = cfg((d.hv as u32, d.dv.div_ceil(sc_cols) as u32), 256, smem);
         lc.grid_dim.2 = segs.n as u32;
         // SAFETY: matches gdn_chunk_state (prefill.cu); grid (hv, ceil(dv/32), sequences), dk <= 128 (d.check) and
         // dk, dv % 8 (checked); scratch holds the table's chunks (checked), shared memory as laid out there (<=
         // SMEM_MAX for dk <= 128); the state table holds a whole state per sequence (its builder's contract, as
         // gdn_prep's rings).
         unsafe { l.launch(lc) }?;
-        let smem = (c * (d.dk + 4) + 64 * (d.dk + 4) + c * (c + 4) + c * (64 + 8)) * 4;
+        // Q, the S^T slice, P, the D slice (row stride + 8)
+        let smem = (c * (d.dk + 4) + out_cols * (d.dk + 4) + c * (c + 4) + c * (out_cols + 8)) * 4;
         let mut l = self.launcher(&self.f.gdn_chunk_out);
         l.arg(qkv).arg(&sc.u).arg(&sc.p).arg(&sc.g).arg(&sc.s).arg(&segs.dev).arg(&v[0]).arg(&v[1]).arg(&v[2]);
         l.arg(&v[3]).arg(&v[4]).arg(&*o);
         let mut lc = cfg((segs.chunks as u32, d.hv as u32), 256, smem);
-        lc.grid_dim.2 = d.dv.div_ceil(64) as u32;
+        lc.grid_dim.2 = d.dv.div_ceil(out_cols) as u32;
         // SAFETY: matches gdn_chunk_out (prefill.cu); grid (chunks, hv, ceil(dv/64)), dk, dv <= 128 and % 8
         // (checked); reads the D and chunk states gdn_chunk_state just wrote; shared memory as laid out there.
         unsafe { l.launch(lc) }?;
