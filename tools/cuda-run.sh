@@ -3,6 +3,8 @@
 #   tools/cuda-run.sh tests [filter]     each GPU test in its own process (TERN_REQUIRE_CUDA=1), summary at the end;
 #                                        filter: an extended regex on bin::name (prefill::, 'batch::|moe_rows', ...)
 #   tools/cuda-run.sh ignored [filter]   the slow full-shape tests
+#   tools/cuda-run.sh racecheck FILTER   the matching GPU tests under compute-sanitizer's shared-memory race checker
+#                                        (slow: a few tests at a time); a hazard fails the test (rc 9)
 #   tools/cuda-run.sh bench CTXS [args]  tern bench --backend cuda --random-weights at CTXS
 #   tools/cuda-run.sh serve [serve args] the batch-1 bench at ctx 256, then tern serve --backend cuda on a full-shape
 #                                        random checkpoint, serve_probe.py, probe_client_cost.py, serve_load.py
@@ -45,6 +47,27 @@ tests | ignored)
   done
   echo "=== summary (rc test)"
   printf '%s' "$summary" | tee "$OUT/summary.txt"
+  ;;
+racecheck)
+  filter=${1:?racecheck needs a test filter (the tests run ~100x slower under the sanitizer)}
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  [ -n "$san" ] || { echo "compute-sanitizer not found"; exit 1; }
+  summary=""
+  for bin in prefill kernels gpu batch sample; do
+    for name in $(./.carry/$bin --list 2>/dev/null | sed -n 's/: test$//p'); do
+      [[ ! "$bin::$name" =~ $filter ]] && continue
+      log=$(mktemp)
+      timeout "${TERN_TEST_TIMEOUT:-540}" "$san" --tool racecheck --racecheck-report hazard --error-exitcode 9 \
+        ./.carry/$bin "$name" --exact --nocapture --test-threads=1 >"$log" 2>&1
+      rc=$?
+      summary+="$rc $bin::$name"$'\n'
+      { echo "=== racecheck $bin::$name rc=$rc"; cat "$log"; } >>"$OUT/racecheck.log"
+      echo "=== racecheck $bin::$name rc=$rc"
+      grep -E "RACECHECK SUMMARY|hazard|Error|error" "$log" | head -n 12
+    done
+  done
+  echo "=== summary (rc test)"
+  printf '%s' "$summary" | tee "$OUT/racecheck-summary.txt"
   ;;
 moe)
   ./.carry/moe_bench 2>&1 | tee "$OUT/moe_bench.txt"

@@ -102,6 +102,28 @@ pub fn bench(be: &CudaBackend, ctxs: &[usize], repeats: usize, trace: bool, peak
         anyhow::ensure!((last_tok as usize) < c.vocab_size, "prefill's greedy token {last_tok} outside the vocabulary");
     }
     println!("(prefill ceiling: FLOPs / {peak_tflops:.0} TFLOP/s; decode ceiling: bytes / 4.3 TB/s)");
+    // the prefill's GEMMs on mma.sync against wgmma (Gpu::gemm_wgmma), the same binary, median TTFT
+    let (mut ab, was) = (Vec::new(), g.gemm_wgmma.load(std::sync::atomic::Ordering::Relaxed));
+    for &ctx in ctxs {
+        let prompt = prompt_ids(ctx, c.vocab_size);
+        let mut ms = [0.0; 2];
+        for (on, ms) in [false, true].into_iter().zip(ms.iter_mut()) {
+            g.gemm_wgmma.store(on, std::sync::atomic::Ordering::Relaxed);
+            let mut t = Vec::new();
+            for _ in 0..repeats {
+                seq.st.reset(&g)?;
+                g.stream.synchronize()?;
+                let t0 = std::time::Instant::now();
+                seq.st.prefill(m, &prompt, false, false)?;
+                g.stream.synchronize()?;
+                t.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            *ms = median(&mut t);
+        }
+        ab.push(format!("{ctx}: {:.1} -> {:.1} ms", ms[0], ms[1]));
+    }
+    g.gemm_wgmma.store(was, std::sync::atomic::Ordering::Relaxed);
+    println!("prefill GEMMs, mma.sync -> wgmma (TTFT): {}", ab.join(", "));
     // where a prefill's time goes: at the largest context up to 4,096 and at the smallest
     let big = ctxs.iter().copied().filter(|&x| x <= 4096).max().unwrap_or(ctxs[0]);
     let small = ctxs.iter().copied().min().unwrap_or(big);

@@ -276,8 +276,10 @@ pub(crate) fn layers_pass(
                     g.gdn_prep(&sc.proj, ldp, &ta, conv, a_log, dt_bias, d, segs, qkv, beta, gl)?;
                     mark("gdn_chunk_prep")?;
                     g.gdn_chunk_prep(&sc.qkv, &sc.beta, &sc.gl, segs, d, &mut sc.chunks)?;
-                    mark("gdn_chunk_scan")?;
-                    g.gdn_chunk_scan(&sc.qkv, &mut sc.chunks, segs, d, &tb, &mut sc.o)?;
+                    mark("gdn_chunk_state")?;
+                    g.gdn_chunk_state(&sc.qkv, &mut sc.chunks, segs, d, &tb)?;
+                    mark("gdn_chunk_out")?;
+                    g.gdn_chunk_out(&sc.qkv, &mut sc.chunks, segs, d, &mut sc.o)?;
                     mark("gdn_ring+gated_norm")?;
                     g.gdn_ring(&sc.proj.slice(..), ldp, d, segs, &ta)?;
                     g.gdn_gated_norm(&sc.o, &sc.proj, ldp, np, d, norm, eps, &mut sc.xb)?;

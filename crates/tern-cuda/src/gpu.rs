@@ -118,6 +118,7 @@ funcs! {
     fill_u32_hash: "misc", fill_bf16: "misc", fill_f32_uniform: "misc",
     // multi-token (prefill) kernels: see prefill.rs
     gemm_q4_store: "gemm", gemm_q4_add: "gemm", gemm_q4_swiglu: "gemm", gemm_q4_gstore: "gemm",
+    gemm_q4_store_mma: "gemm", gemm_q4_add_mma: "gemm", gemm_q4_swiglu_mma: "gemm", gemm_q4_gstore_mma: "gemm",
     embed_rows: "prefill", rmsnorm_rows: "prefill", router_rows: "prefill", topk_rows: "prefill",
     moe_align: "prefill", moe_combine: "prefill", moe_combine_norm_j8: "prefill",
     moe_combine_norm_j16: "prefill", gdn_prep: "prefill", gdn_chunk_prep: "prefill",
@@ -179,7 +180,8 @@ impl KArg for f32 {
 
 /// A kernel launch through `cuLaunchKernelEx` with programmatic stream serialization (programmatic dependent
 /// launch, also inside CUDA graphs): the kernel's blocks may start before the previous kernel ends and must call
-/// `pdl_wait()` (common.cuh) before reading anything that kernel writes. `TERN_NO_PDL=1` turns the attribute off.
+/// `pdl_wait()` (common.cuh) before reading anything that kernel writes. [`Gpu::pdl`] off leaves the attribute out
+/// (the test that a pass is the same bit for bit either way).
 ///
 /// What a kernel may read before its wait (the one rule every kernel's pre-wait reads follow): constants (weights,
 /// tables the host uploaded before the launch) and what kernels two or more launches back wrote. `pdl_wait()`
@@ -228,7 +230,7 @@ impl KLaunch<'_> {
         // SAFETY: an all-zero launch attribute is valid; ids and values are set below.
         let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
         let mut n = 0;
-        if self.gpu.pdl {
+        if self.gpu.pdl.load(std::sync::atomic::Ordering::Relaxed) {
             attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
             attrs[n].value.programmaticStreamSerializationAllowed = 1;
             n += 1;
@@ -286,8 +288,9 @@ pub struct Gpu {
     /// The sampler's buffers, kept between draws (crate::sample's `SampleScratch`, which the sampler owns: the
     /// driver layer does not know its type).
     pub(crate) sampler: std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>,
-    /// Launch with programmatic dependent launch (default; `TERN_NO_PDL=1` turns it off).
-    pub pdl: bool,
+    /// Launch with programmatic dependent launch (always on when serving; a test turns it off to show that a pass
+    /// gives the same bits without it: the pre-wait rule of [`KLaunch`] holds).
+    pub pdl: std::sync::atomic::AtomicBool,
     /// While set, [`KLaunch::launch`] launches nothing: the bench's timing of the batched step with one kernel
     /// family left out ([`crate::workspace::PrefillBuffers::omit`]).
     pub(crate) omit: std::sync::atomic::AtomicBool,
@@ -302,6 +305,9 @@ pub struct Gpu {
     /// ... and a decode batch of at most [`crate::batch::TOPK_ALIGN_ROWS`] rows' top-k and align in one launch
     /// ([`Gpu::topk_align_seqs`]; off: topk_rows and moe_align).
     pub topk_align: std::sync::atomic::AtomicBool,
+    /// The prefill GEMMs on wgmma (gemm.cu `WG`) rather than mma.sync (`gemm_q4_*_mma`). Off by default until a
+    /// device run has checked and timed it (the tests check both; the bench prints the A/B).
+    pub gemm_wgmma: std::sync::atomic::AtomicBool,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -410,7 +416,6 @@ impl Gpu {
             func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
         }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
-        let pdl = std::env::var_os("TERN_NO_PDL").is_none_or(|v| v.is_empty() || v == "0");
         Ok(Arc::new(Gpu {
             ctx,
             stream,
@@ -421,12 +426,13 @@ impl Gpu {
             derived: Default::default(),
             staging: Default::default(),
             sampler: Default::default(),
-            pdl,
+            pdl: std::sync::atomic::AtomicBool::new(true),
             omit: std::sync::atomic::AtomicBool::new(false),
             moe_ring: std::sync::atomic::AtomicBool::new(true),
             dense_ring: std::sync::atomic::AtomicBool::new(true),
             dense_tma: std::sync::atomic::AtomicBool::new(true),
             topk_align: std::sync::atomic::AtomicBool::new(true),
+            gemm_wgmma: std::sync::atomic::AtomicBool::new(false),
             _modules: modules.into_iter().map(|m| m.1).collect(),
         }))
     }
@@ -1026,6 +1032,10 @@ pub(crate) fn big_smem_kernels(f: &Funcs) -> Vec<&CudaFunction> {
         &f.gemm_q4_add,
         &f.gemm_q4_swiglu,
         &f.gemm_q4_gstore,
+        &f.gemm_q4_store_mma,
+        &f.gemm_q4_add_mma,
+        &f.gemm_q4_swiglu_mma,
+        &f.gemm_q4_gstore_mma,
         &f.gdn_chunk_prep,
         &f.gdn_chunk_state,
         &f.gdn_chunk_out,

@@ -27,9 +27,12 @@ const GDN_STATE_COLS: usize = 32;
 const GDN_OUT_COLS: usize = 64;
 /// Token tile of the grouped MoE GEMMs (BN of gemm_q4_swiglu / gemm_q4_gstore).
 pub(crate) const MOE_TILE: usize = 64;
-/// Shared memory of the GEMM instantiations (GemmCfg in gemm.cu; static_asserts there).
-const GEMM_DENSE_SMEM: usize = 3 * (4096 + 128 * 144) + 2 * 128 * 144;
-const GEMM_GROUPED_SMEM: usize = 4 * (4096 + 64 * 144) + 2 * 128 * 144;
+/// Shared memory of the GEMM instantiations (GemmCfg in gemm.cu; static_asserts there): on wgmma (the tiles
+/// unpadded, 1 KB of alignment slack) and on mma.sync.
+const GEMM_DENSE_SMEM: usize = 3 * (4096 + 128 * 128) + 2 * 128 * 128 + 1024;
+const GEMM_GROUPED_SMEM: usize = 4 * (4096 + 64 * 128) + 2 * 128 * 128 + 1024;
+const GEMM_DENSE_SMEM_MMA: usize = 3 * (4096 + 128 * 144) + 2 * 128 * 144;
+const GEMM_GROUPED_SMEM_MMA: usize = 4 * (4096 + 64 * 144) + 2 * 128 * 144;
 
 pub(crate) fn log2_exact(v: usize, what: &str) -> Result<i32> {
     ensure!(v.is_power_of_two(), "{what} {v} is not a power of two");
@@ -297,7 +300,13 @@ impl Gpu {
         check_dense(m, x, n, y, ldy, "gemm_q4")?;
         ensure!(n.div_ceil(128) <= 65535, "gemm_q4: {n} rows is over the grid limit");
         let glog = log2_exact(m.gs, "gemm_q4: group size")?;
-        let f = if add { &self.f.gemm_q4_add } else { &self.f.gemm_q4_store };
+        let wg = self.gemm_wgmma.load(std::sync::atomic::Ordering::Relaxed);
+        let (f, smem) = match (wg, add) {
+            (true, true) => (&self.f.gemm_q4_add, GEMM_DENSE_SMEM),
+            (true, false) => (&self.f.gemm_q4_store, GEMM_DENSE_SMEM),
+            (false, true) => (&self.f.gemm_q4_add_mma, GEMM_DENSE_SMEM_MMA),
+            (false, false) => (&self.f.gemm_q4_store_mma, GEMM_DENSE_SMEM_MMA),
+        };
         let (z64, z32) = (0i64, 0i32);
         let (r, k, ni, ld) = (m.rows as i32, m.cols as i32, n as i32, ldy as i32);
         let kz = if n <= STREAM_MAX_TOKENS { gemm_split(m.rows, m.cols, self.sms as usize) } else { 1 };
@@ -305,12 +314,12 @@ impl Gpu {
         l.arg(&m.w).arg(&m.s).arg(&m.b).arg(&z64).arg(&z64).arg(&r).arg(&k).arg(&glog).arg(&z32).arg(&z32).arg(&z32);
         l.arg(x).arg(&k).arg(&ni).arg(&NULL).arg(&NULL).arg(&NULL).arg(&*y).arg(&ld);
         l.cluster = (kz > 1).then_some((1, 1, kz as u32));
-        let mut lc = cfg((m.rows.div_ceil(128) as u32, n.div_ceil(128) as u32), 256, GEMM_DENSE_SMEM);
+        let mut lc = cfg((m.rows.div_ceil(128) as u32, n.div_ceil(128) as u32), 256, smem);
         lc.grid_dim.2 = kz as u32;
         // SAFETY: matches gemm_q4_store/_add (GEMM_Q4 in gemm.cu); x holds n rows of cols bf16, y n rows of stride
         // ldy >= rows (checked above); W is a whole QMat (rows x cols/8 words, rows x cols/gs scales/biases); rows and
-        // tokens past the ends are zero-filled and never stored; shared memory as GemmCfg<128, *, 3> (its ring holds a
-        // block's 64 KB of split sums); kz <= 8 blocks a cluster, each with at least one k-step (gemm_split).
+        // tokens past the ends are zero-filled and never stored; shared memory as GemmCfg<128, *, 3, wg> (its ring
+        // and dequant tiles hold a block's 64 KB of split sums); kz <= 8 blocks a cluster, each with at least one k-step (gemm_split).
         unsafe { l.launch(lc) }?;
         Ok(())
     }
@@ -342,7 +351,11 @@ impl Gpu {
         let glog = log2_exact(gu.gs, "moe_gate_up_rows: group size")?;
         let (words, groups) = (gu.words as i64, gu.groups as i64);
         let (hi, ii, isi, ei, ni, ld) = (h as i32, i as i32, is as i32, n_experts as i32, n as i32, imax as i32);
-        let mut l = self.launcher(&self.f.gemm_q4_swiglu);
+        let (f, smem) = match self.gemm_wgmma.load(std::sync::atomic::Ordering::Relaxed) {
+            true => (&self.f.gemm_q4_swiglu, GEMM_GROUPED_SMEM),
+            false => (&self.f.gemm_q4_swiglu_mma, GEMM_GROUPED_SMEM_MMA),
+        };
+        let mut l = self.launcher(f);
         l.arg(&gu.w).arg(&gu.s).arg(&gu.b).arg(&words).arg(&groups).arg(&hi).arg(&hi).arg(&glog).arg(&ii).arg(&isi);
         l.arg(&ei)
             .arg(x)
@@ -356,8 +369,8 @@ impl Gpu {
         let grid = (imax.div_ceil(64) as u32, sorted.max_tiles as u32);
         // SAFETY: matches gemm_q4_swiglu (gemm.cu); the tiles come from moe_align over the same n, k and experts
         // (checked above): expert ids <= n_experts (the shared one last, inside the buffer), pairs < n*(k+1) rows of act,
-        // rowmap entries < n rows of x; blocks past *ntile exit; shared memory as GemmCfg<64, GE_SWIGLU, 4>.
-        unsafe { l.launch(cfg(grid, 256, GEMM_GROUPED_SMEM)) }?;
+        // rowmap entries < n rows of x; blocks past *ntile exit; shared memory as GemmCfg<64, GE_SWIGLU, 4, wg>.
+        unsafe { l.launch(cfg(grid, 256, smem)) }?;
         Ok(())
     }
 
@@ -382,14 +395,18 @@ impl Gpu {
         let glog = log2_exact(down.gs, "moe_down_rows: group size")?;
         let (words, groups) = (down.words as i64, down.groups as i64);
         let (hi, ii, isi, ei, ld, np) = (h as i32, i as i32, is as i32, n_experts as i32, imax as i32, pairs as i32);
-        let mut l = self.launcher(&self.f.gemm_q4_gstore);
+        let (f, smem) = match self.gemm_wgmma.load(std::sync::atomic::Ordering::Relaxed) {
+            true => (&self.f.gemm_q4_gstore, GEMM_GROUPED_SMEM),
+            false => (&self.f.gemm_q4_gstore_mma, GEMM_GROUPED_SMEM_MMA),
+        };
+        let mut l = self.launcher(f);
         l.arg(&down.w).arg(&down.s).arg(&down.b).arg(&words).arg(&groups).arg(&hi).arg(&ii).arg(&glog).arg(&ii);
         l.arg(&isi).arg(&ei).arg(act).arg(&ld).arg(&np).arg(&sorted.ntile).arg(&sorted.tiles).arg(&NULL).arg(&*ybuf);
         l.arg(&hi);
         let grid = (h.div_ceil(128) as u32, sorted.max_tiles as u32);
         // SAFETY: matches gemm_q4_gstore (gemm.cu); tiles from moe_align (see moe_gate_up_rows): pairs < rows of act
         // and ybuf, expert ids inside the buffer; K per expert = its inner size (<= imax = act's row stride).
-        unsafe { l.launch(cfg(grid, 256, GEMM_GROUPED_SMEM)) }?;
+        unsafe { l.launch(cfg(grid, 256, smem)) }?;
         Ok(())
     }
 
@@ -662,8 +679,8 @@ impl Gpu {
     }
 
     /// Chunked delta rule, phase 2: each sequence's state (`states[s]`, `[hv, dk, dv]` f32) through its chunks in
-    /// order (gdn_chunk_state: the state updated, each chunk's starting state kept, D written over U), then every
-    /// chunk's outputs in parallel (gdn_chunk_out): `o` `[rows, hv, dv]`.
+    /// order ([`Gpu::gdn_chunk_state`]: the state updated, each chunk's starting state kept, D written over U), then
+    /// every chunk's outputs in parallel ([`Gpu::gdn_chunk_out`]): `o` `[rows, hv, dv]`.
     pub fn gdn_chunk_scan(
         &self,
         qkv: &CudaSlice<f32>,
@@ -673,8 +690,12 @@ impl Gpu {
         states: &CudaView<u64>,
         o: &mut CudaSlice<f32>,
     ) -> Result<()> {
+        self.gdn_chunk_state(qkv, sc, segs, d, states)?;
+        self.gdn_chunk_out(qkv, sc, segs, d, o)
+    }
+
+    fn gdn_scan_check(&self, qkv: &CudaSlice<f32>, sc: &GdnChunkScratch, segs: &SegTable, d: GdnDims) -> Result<()> {
         d.check()?;
-        let n = segs.rows;
         ensure!(
             d.dk % 8 == 0 && d.dv % 8 == 0,
             "gdn_chunk_scan: key / value head dims {} / {} (tensor-core tiles: both % 8)",
@@ -682,11 +703,24 @@ impl Gpu {
             d.dv
         );
         ensure!(sc.holds(d, segs.chunks), "gdn_chunk_scan: scratch for {} chunks", segs.chunks);
-        ensure!(n > 0 && qkv.len() >= n * d.conv_dim(), "gdn_chunk_scan: qkv");
-        ensure!(states.len() >= segs.n && o.len() >= n * d.hv * d.dv, "gdn_chunk_scan: state table / output");
+        ensure!(segs.rows > 0 && qkv.len() >= segs.rows * d.conv_dim(), "gdn_chunk_scan: qkv");
         ensure!(segs.n <= 65535, "gdn_chunk_scan: {} sequences", segs.n);
+        Ok(())
+    }
+
+    /// The sequential half of [`Gpu::gdn_chunk_scan`]: each sequence's state through its chunks.
+    pub fn gdn_chunk_state(
+        &self,
+        qkv: &CudaSlice<f32>,
+        sc: &mut GdnChunkScratch,
+        segs: &SegTable,
+        d: GdnDims,
+        states: &CudaView<u64>,
+    ) -> Result<()> {
+        self.gdn_scan_check(qkv, sc, segs, d)?;
+        ensure!(states.len() >= segs.n, "gdn_chunk_scan: state table");
         let v = [segs.n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
-        let (c, sc_cols, out_cols) = (GDN_CHUNK, GDN_STATE_COLS, GDN_OUT_COLS);
+        let (c, sc_cols) = (GDN_CHUNK, GDN_STATE_COLS);
         // two buffers of {W, K, the U slice (row stride 40), G}, then S^T and (diag(kdec) D)^T
         let buf = c * (d.dk + 4) + c * (d.dk + 8) + c * 40 + c;
         let smem = (2 * buf + sc_cols * (d.dk + 4) + sc_cols * (c + 4)) * 4;
@@ -700,6 +734,23 @@ impl Gpu {
         // SMEM_MAX for dk <= 128); the state table holds a whole state per sequence (its builder's contract, as
         // gdn_prep's rings).
         unsafe { l.launch(lc) }?;
+        Ok(())
+    }
+
+    /// The parallel half of [`Gpu::gdn_chunk_scan`]: every chunk's outputs from the D and chunk states
+    /// [`Gpu::gdn_chunk_state`] left in `sc`.
+    pub fn gdn_chunk_out(
+        &self,
+        qkv: &CudaSlice<f32>,
+        sc: &mut GdnChunkScratch,
+        segs: &SegTable,
+        d: GdnDims,
+        o: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        self.gdn_scan_check(qkv, sc, segs, d)?;
+        ensure!(o.len() >= segs.rows * d.hv * d.dv, "gdn_chunk_scan: output");
+        let v = [segs.n, d.hk, d.hv, d.dk, d.dv].map(|v| v as i32);
+        let (c, out_cols) = (GDN_CHUNK, GDN_OUT_COLS);
         // Q, the S^T slice, P, the D slice (row stride + 8)
         let smem = (c * (d.dk + 4) + out_cols * (d.dk + 4) + c * (c + 4) + c * (out_cols + 8)) * 4;
         let mut l = self.launcher(&self.f.gdn_chunk_out);
@@ -708,7 +759,8 @@ impl Gpu {
         let mut lc = cfg((segs.chunks as u32, d.hv as u32), 256, smem);
         lc.grid_dim.2 = d.dv.div_ceil(out_cols) as u32;
         // SAFETY: matches gdn_chunk_out (prefill.cu); grid (chunks, hv, ceil(dv/64)), dk, dv <= 128 and % 8
-        // (checked); reads the D and chunk states gdn_chunk_state just wrote; shared memory as laid out there.
+        // (checked); reads the D and chunk states of the scratch (gdn_chunk_state's, or stale but in-bounds values if
+        // it did not run: the buffers hold the table's chunks, checked); shared memory as laid out there.
         unsafe { l.launch(lc) }?;
         Ok(())
     }

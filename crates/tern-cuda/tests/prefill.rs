@@ -85,6 +85,7 @@ fn gemm_q4_matches_cpu() {
             let mut exact = vec![0.0f32; n * rows];
             q.gemm(&xb, n, &mut exact);
             let dx = g.upload(&bf16_bits(&xb)).unwrap();
+            g.gemm_wgmma.store(true, std::sync::atomic::Ordering::Relaxed); // then the mma.sync tiles below
             let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
             g.gemm_q4(&dm, &dx, n, &mut dy, rows, false).unwrap();
             let got = g.download(&dy).unwrap();
@@ -111,6 +112,18 @@ fn gemm_q4_matches_cpu() {
             };
             let (diff, mut pad_ok) = added(&g.download(&dy).unwrap());
             let e_add = rel(&diff, &want);
+            // the same tiles on mma.sync (gemm_q4_*_mma): store and add
+            g.gemm_wgmma.store(false, std::sync::atomic::Ordering::Relaxed);
+            let mut dy = g.upload(&vec![f32::NAN; n * rows]).unwrap();
+            g.gemm_q4(&dm, &dx, n, &mut dy, rows, false).unwrap();
+            let e_mma = rel(&g.download(&dy).unwrap(), &want);
+            let mut dy = g.upload(&y0).unwrap();
+            g.gemm_q4(&dm, &dx, n, &mut dy, ld, true).unwrap();
+            g.gemm_wgmma.store(true, std::sync::atomic::Ordering::Relaxed);
+            let (diff_mma, pad_mma) = added(&g.download(&dy).unwrap());
+            let e_mma_add = rel(&diff_mma, &want);
+            pad_ok &= pad_mma;
+            assert!(e_mma < 1e-4 && e_mma_add < 1e-4, "gemm mma.sync {rows}x{cols} N={n}: {e_mma} / {e_mma_add}");
             // the batched step's few-token product (tensor cores on the exact codes, f32 scale/bias arithmetic): the
             // exact product to f32 accumulation (1e-4: the per-k-block s C + (b - 128 s) X cancels terms ~1000x the
             // result's scale)
@@ -180,7 +193,8 @@ fn gemm_q4_matches_cpu() {
                 assert!(e < 1e-4, "dense_seqs {rows}x{cols} N={n}: {e}");
             }
             report.push(format!(
-                "{rows}x{cols} g{gs} N={n}: same-operands {e_same:.1e} add {e_add:.1e} vs exact f32 {e_exact:.1e}{dense}"
+                "{rows}x{cols} g{gs} N={n}: same-operands {e_same:.1e} add {e_add:.1e} (mma.sync {e_mma:.1e} / \
+                 {e_mma_add:.1e}) vs exact f32 {e_exact:.1e}{dense}"
             ));
             assert!(e_same < 1e-4 && e_add < 1e-4, "gemm {rows}x{cols} N={n}: {e_same} / {e_add}");
             assert!(e_exact < 1e-2, "gemm {rows}x{cols} N={n}: {e_exact} from the exact f32 product");
@@ -305,13 +319,21 @@ fn moe_rows_match_cpu() {
                     g.stream.memcpy_htod(&idx, &mut b.idx).unwrap();
                     g.stream.memcpy_htod(&wts, &mut b.wts).unwrap();
                 }
-                g.moe_align(&b.idx, n, k, e, 64, &mut b.sorted).unwrap();
-                g.moe_gate_up_rows(&dl.gate_up, e, sizes, h, &b.xb, n, k, &b.sorted, &mut b.act).unwrap();
-                g.moe_down_rows(&dl.down, e, sizes, h, &b.act, &b.sorted, &mut b.ybuf).unwrap();
-                g.moe_combine(&b.ybuf, &b.sorted, &b.wts, h, &mut b.x).unwrap();
-                let got: Vec<f32> = g.download(&b.x).unwrap().iter().zip(&x).map(|(a, v)| a - v).collect();
                 let want = moe(&c, &l.moe, &u, n, Some(&ids), None);
-                let (e_max, e_norm) = (rel(&got, &want), rel2(&got, &want));
+                // the grouped GEMMs on mma.sync (the `_mma` kernels), then on wgmma (the production ones)
+                let mut gemm_err = Vec::new();
+                for wg in [false, true] {
+                    g.gemm_wgmma.store(wg, std::sync::atomic::Ordering::Relaxed);
+                    g.stream.memcpy_htod(&x, &mut b.x).unwrap();
+                    g.moe_align(&b.idx, n, k, e, 64, &mut b.sorted).unwrap();
+                    g.moe_gate_up_rows(&dl.gate_up, e, sizes, h, &b.xb, n, k, &b.sorted, &mut b.act).unwrap();
+                    g.moe_down_rows(&dl.down, e, sizes, h, &b.act, &b.sorted, &mut b.ybuf).unwrap();
+                    g.moe_combine(&b.ybuf, &b.sorted, &b.wts, h, &mut b.x).unwrap();
+                    let got: Vec<f32> = g.download(&b.x).unwrap().iter().zip(&x).map(|(a, v)| a - v).collect();
+                    gemm_err.push((rel(&got, &want), rel2(&got, &want)));
+                }
+                g.gemm_wgmma.store(true, std::sync::atomic::Ordering::Relaxed);
+                let ((m_max, m_norm), (e_max, e_norm)) = (gemm_err[0], gemm_err[1]);
                 // the streamed kernels of the batched decode step (tensor cores, exact codes, bf16 activations) on
                 // the same pairs, in their tiles of a few pairs (the ring kernels where the shapes allow)
                 let ntile_gemm = g.download(&b.sorted.ntile).unwrap()[0];
@@ -371,12 +393,17 @@ fn moe_rows_match_cpu() {
                 let ntile = g.download(&b.sorted.ntile).unwrap()[0];
                 report.push(format!(
                     "{name} N={n}{}: router {e_router:.1e} (seqs {e_router_seqs:.1e}), out max {e_max:.1e} norm {e_norm:.1e} \
-                     ({ntile_gemm} tiles), streamed max {s_max:.1e} norm {s_norm:.1e} ({ntile} tiles)",
+                     (mma.sync {m_max:.1e} / {m_norm:.1e}; {ntile_gemm} tiles), streamed max {s_max:.1e} norm \
+                     {s_norm:.1e} ({ntile} tiles)",
                     if forced { " forced (all on expert 0, expert 1 empty)" } else { "" }
                 ));
                 assert!(e_router < 1e-5, "{name} N={n}: router logits {e_router}");
                 assert!(e_router_seqs < 1e-5, "{name} N={n}: router_seqs logits {e_router_seqs}");
                 assert!(e_max < 1e-2 && e_norm < 5e-3, "{name} N={n} forced={forced}: MoE output {e_max} / {e_norm}");
+                assert!(
+                    m_max < 1e-2 && m_norm < 5e-3,
+                    "{name} N={n} forced={forced}: MoE on mma.sync {m_max} / {m_norm}"
+                );
                 // bf16 activations as the GEMMs', but exact weights: held to the GEMMs' bf16 bounds
                 assert!(s_max < 1e-2 && s_norm < 5e-3, "{name} N={n} forced={forced}: streamed MoE {s_max} / {s_norm}");
             }

@@ -6,8 +6,11 @@
 // [rows, K/gs]); X is bf16 [N, K] row-major with row stride ldx. Block tile: 128 weight rows x BN tokens, k-steps
 // of 64; 8 warps. Per k-step the packed codes (4 KB) and the X tile (BN x 128 B) arrive by cp.async in a ring of
 // S stages; the block dequantises the codes ONCE into a bf16 tile in shared memory (exact s*q+b, one bf16
-// rounding: dequant8 in mma.cuh) for the NEXT k-step while the warps run mma.sync m16n8k16 on the current one
-// (A = weights via ldmatrix, B = activations via ldmatrix; f32 accumulators). One __syncthreads per k-step.
+// rounding: dequant8 in mma.cuh) for the NEXT k-step while the tensor cores work on the current one. The products:
+// wgmma (the production kernels): each warpgroup issues m64nBNk16 over its 64 weight rows straight from the two
+// shared tiles (unpadded rows in the 128-byte swizzle, mma.cuh), then dequantises, then waits for it; or
+// mma.sync m16n8k16 (the `_mma` kernels: the same tiles padded, fragments by ldmatrix; the bench's A/B). f32
+// accumulators either way. One __syncthreads per k-step.
 // K may be any multiple of 32 (a half k-step is zero-filled); rows and tokens past the end are zero-filled and
 // never stored. gs is a power of two >= 32.
 //
@@ -42,32 +45,45 @@ namespace cg = cooperative_groups;
 #define GM_BM 128
 #define GM_LDS 72  // shared row stride of the bf16 tiles, elements (64 + 8: ldmatrix rows hit distinct banks)
 
-template <int BN, int MODE, int S>
+// WG: the products on wgmma (two warpgroups, each 64 weight rows x BN tokens; the bf16 tiles unpadded in the
+// 128-byte swizzle, mma.cuh), else on mma.sync (warps WM x WN; the tiles' rows padded to GM_LDS).
+template <int BN, int MODE, int S, bool WG>
 struct GemmCfg {
-    static constexpr int WM = BN == 128 ? 2 : 4;  // warps along M
-    static constexpr int WN = 8 / WM;            // warps along N
-    static constexpr int WR = GM_BM / WM;        // rows per warp
-    static constexpr int WC = BN / WN;           // tokens per warp
-    static constexpr int MI = WR / 16;           // m16 tiles per warp
-    static constexpr int NI = WC / 8;            // n8 tiles per warp
-    static constexpr int XCH = BN * 8 / 256;     // 16-byte X chunks per thread per stage
-    static constexpr int WQ_BYTES = GM_BM * 32;  // packed codes of one k-step
-    static constexpr int XS_BYTES = BN * GM_LDS * 2;
-    static constexpr int WD_BYTES = GM_BM * GM_LDS * 2;
+    static constexpr int WM = WG ? 8 : BN == 128 ? 2 : 4;  // warps along M
+    static constexpr int WN = 8 / WM;                     // warps along N
+    static constexpr int WR = GM_BM / WM;                 // rows per warp
+    static constexpr int WC = BN / WN;                    // tokens per warp
+    static constexpr int MI = WR / 16;                    // m16 tiles per warp
+    static constexpr int NI = WC / 8;                     // n8 tiles per warp
+    static constexpr int LDS = WG ? 64 : GM_LDS;          // row stride of the bf16 tiles, elements
+    static constexpr int XCH = BN * 8 / 256;              // 16-byte X chunks per thread per stage
+    static constexpr int WQ_BYTES = GM_BM * 32;           // packed codes of one k-step
+    static constexpr int XS_BYTES = BN * LDS * 2;
+    static constexpr int WD_BYTES = GM_BM * LDS * 2;
     static constexpr int STAGE = WQ_BYTES + XS_BYTES;
-    static constexpr int SMEM = S * STAGE + 2 * WD_BYTES;
-    static_assert(MI >= 2 && MI % 2 == 0 && NI % 2 == 0, "tile shape");
+    static constexpr int ALIGN = WG ? 1024 : 0;  // slack to align the swizzled tiles to 1024 bytes
+    static constexpr int SMEM = S * STAGE + 2 * WD_BYTES + ALIGN;
+    static_assert(WG ? (MI == 1 && NI == BN / 8 && (BN == 64 || BN == 128) && STAGE % 1024 == 0)
+                     : (MI >= 2 && MI % 2 == 0 && NI % 2 == 0),
+                  "tile shape");
 };
+// byte offset of the 16-byte chunk c of row r in a bf16 tile of row stride C::LDS (swizzled when WG)
+template <class C, bool WG>
+__device__ __forceinline__ int tile_off(int r, int c) {
+    return WG ? r * 128 + ((c ^ (r & 7)) << 4) : (r * C::LDS + 8 * c) * 2;
+}
 
-template <int BN, int MODE, int S>
+template <int BN, int MODE, int S, bool WG>
 __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ sc,
                                              const __nv_bfloat16* __restrict__ bi, long e_words, long e_groups,
                                              int R, int K, int glog, int I, int Is, int E,
                                              const __nv_bfloat16* __restrict__ x, int ldx, int N,
                                              const int* __restrict__ ntile, const int* __restrict__ tiles,
                                              const int* __restrict__ rowmap, void* __restrict__ y, int ldy) {
-    using C = GemmCfg<BN, MODE, S>;
-    extern __shared__ __align__(128) unsigned char smem[];
+    using C = GemmCfg<BN, MODE, S, WG>;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    // the swizzled tiles need 1024-byte alignment (the dynamic window's start is only promised 16)
+    unsigned char* smem = smem_raw + (WG ? (1024 - (smem_u32(smem_raw) & 1023)) & 1023 : 0);
     constexpr bool GROUPED = MODE == GE_SWIGLU || MODE == GE_GSTORE;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / C::WN, wn = warp % C::WN;
@@ -152,7 +168,7 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
                 const int n = (tid >> 3) + 32 * j;
                 const int kc = k0 + 8 * xc;
                 const bool ok = xsrc[j] != nullptr && kc < Ke;
-                cp_async16(xs + (n * GM_LDS + 8 * xc) * 2, ok ? (const void*)(xsrc[j] + kc) : (const void*)x,
+                cp_async16(xs + tile_off<C, WG>(n, xc), ok ? (const void*)(xsrc[j] + kc) : (const void*)x,
                            ok ? 16 : 0);
             }
         }
@@ -176,9 +192,12 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
         dequant8(q.y, s2, b2, o[1]);
         dequant8(q.z, s2, b2, o[2]);
         dequant8(q.w, s2, b2, o[3]);
-        uint4* dst = reinterpret_cast<uint4*>(wd + (kt & 1) * C::WD_BYTES + (drow * GM_LDS + 32 * dhalf) * 2);
+        unsigned char* dst = wd + (kt & 1) * C::WD_BYTES;
 #pragma unroll
-        for (int i = 0; i < 4; i++) dst[i] = make_uint4(o[i][0], o[i][1], o[i][2], o[i][3]);
+        for (int i = 0; i < 4; i++)
+            *reinterpret_cast<uint4*>(dst + tile_off<C, WG>(drow, 4 * dhalf + i)) =
+                make_uint4(o[i][0], o[i][1], o[i][2], o[i][3]);
+        if (WG) fence_async_smem();  // visible to the wgmma (async proxy) after the next barrier
     };
 
     float acc[C::MI][C::NI][4];
@@ -202,31 +221,55 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
         // stage kt+1 has landed (S-3 younger groups may be pending) and everyone's dequant of k-step kt is visible;
         // every warp is past k-step kt-1, whose stage the load below refills
         cp_async_wait<S - 3>();
+        if (WG) fence_async_smem();  // the landed X tiles, to the wgmma's async proxy
         __syncthreads();
         load_stage(kt + S - 1);
-        if (kt + 1 < KT) {
-            dequant(kt + 1, s2, b2);
-            load_sb(kt + 2, s2, b2);
-        }
         const unsigned char* wt = wd + (kt & 1) * C::WD_BYTES;
         const unsigned char* xt = ring + (kt % S) * C::STAGE + C::WQ_BYTES;
+        if constexpr (WG) {
+            // the warpgroup's 64 rows x BN tokens in 4 k16 slices, issued before the next k-step's dequant so that
+            // the two overlap; waited for before the next barrier (which frees this k-step's tiles)
+            auto& dv = *reinterpret_cast<float(*)[BN / 2]>(&acc[0][0][0]);
+            const uint32_t a0 = smem_u32(wt) + (warp >> 2) * 64 * 128, b0 = smem_u32(xt);
+            wgmma_reg_fence(dv);
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            uint32_t a[C::MI][4];
-#pragma unroll
-            for (int mi = 0; mi < C::MI; mi++) {
-                const int r = wm * C::WR + mi * 16 + (lane & 15);
-                ldsm_x4(a[mi], wt + (r * GM_LDS + kk * 16 + (lane >> 4) * 8) * 2);
+            for (int kk = 0; kk < 4; kk++) {
+                if constexpr (BN == 128)
+                    wgmma_m64n128k16(dv, wgmma_desc(a0 + 32 * kk), wgmma_desc(b0 + 32 * kk));
+                else
+                    wgmma_m64n64k16(dv, wgmma_desc(a0 + 32 * kk), wgmma_desc(b0 + 32 * kk));
+            }
+            wgmma_commit();
+            if (kt + 1 < KT) {
+                dequant(kt + 1, s2, b2);
+                load_sb(kt + 2, s2, b2);
+            }
+            wgmma_wait<0>();
+            wgmma_reg_fence(dv);
+        } else {
+            if (kt + 1 < KT) {
+                dequant(kt + 1, s2, b2);
+                load_sb(kt + 2, s2, b2);
             }
 #pragma unroll
-            for (int nj = 0; nj < C::NI / 2; nj++) {
-                uint32_t b[4];
-                const int n = wn * C::WC + nj * 16 + (lane & 7) + (lane >> 4) * 8;
-                ldsm_x4(b, xt + (n * GM_LDS + kk * 16 + ((lane >> 3) & 1) * 8) * 2);
+            for (int kk = 0; kk < 4; kk++) {
+                uint32_t a[C::MI][4];
 #pragma unroll
                 for (int mi = 0; mi < C::MI; mi++) {
-                    mma_bf16(acc[mi][2 * nj], a[mi], b[0], b[1]);
-                    mma_bf16(acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
+                    const int r = wm * C::WR + mi * 16 + (lane & 15);
+                    ldsm_x4(a[mi], wt + (r * GM_LDS + kk * 16 + (lane >> 4) * 8) * 2);
+                }
+#pragma unroll
+                for (int nj = 0; nj < C::NI / 2; nj++) {
+                    uint32_t b[4];
+                    const int n = wn * C::WC + nj * 16 + (lane & 7) + (lane >> 4) * 8;
+                    ldsm_x4(b, xt + (n * GM_LDS + kk * 16 + ((lane >> 3) & 1) * 8) * 2);
+#pragma unroll
+                    for (int mi = 0; mi < C::MI; mi++) {
+                        mma_bf16(acc[mi][2 * nj], a[mi], b[0], b[1]);
+                        mma_bf16(acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -235,7 +278,19 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
 
     // ---- epilogue
     const int g = lane >> 2, t4 = lane & 3;
-    if (MODE == GE_SWIGLU) {
+    if (MODE == GE_SWIGLU && WG) {
+        // each warp's 16 rows are 8 gate rows (its row g) and their 8 up rows (g + 8): c = 0, 1 gate, c + 2 up
+        __nv_bfloat16* act = reinterpret_cast<__nv_bfloat16*>(y);
+        const int j = j0 + warp * 8 + g;
+#pragma unroll
+        for (int ni = 0; ni < C::NI; ni++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int n = ni * 8 + 2 * t4 + c;
+                if (j < Ie && n < cnt)
+                    act[(long)(p0 + n) * ldy + j] = __float2bfloat16(silu_f(acc[0][ni][c]) * acc[0][ni][c + 2]);
+            }
+    } else if (MODE == GE_SWIGLU) {
         constexpr int half = C::WR / 2;
         __nv_bfloat16* act = reinterpret_cast<__nv_bfloat16*>(y);
 #pragma unroll
@@ -253,7 +308,8 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
                 }
     } else {
         if (kz > 1) {
-            // every block's sums into its shared memory (the ring: idle once every warp is past the last k-step),
+            // every block's sums into its shared memory (the ring and the dequant tiles after it, >= 64 KB: idle
+            // once every warp is past the last k-step),
             // [sum index q][thread]; then block z adds the cluster's sums q of its share, in z order, and stores them
             float* zs = reinterpret_cast<float*>(smem);
             __syncthreads();
@@ -314,21 +370,28 @@ __device__ __forceinline__ void gemm_q4_body(const uint32_t* __restrict__ w, con
     }
 }
 
-#define GEMM_Q4(NAME, BN, MODE, S)                                                                              \
+#define GEMM_Q4(NAME, BN, MODE, S, WG)                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 2) NAME(                                                  \
         const uint32_t* __restrict__ w, const __nv_bfloat16* __restrict__ sc, const __nv_bfloat16* __restrict__ bi, \
         long e_words, long e_groups, int R, int K, int glog, int I, int Is, int E,                              \
         const __nv_bfloat16* __restrict__ x, int ldx, int N, const int* __restrict__ ntile,                     \
         const int* __restrict__ tiles, const int* __restrict__ rowmap, void* __restrict__ y, int ldy) {         \
-        gemm_q4_body<BN, MODE, S>(w, sc, bi, e_words, e_groups, R, K, glog, I, Is, E, x, ldx, N, ntile, tiles,   \
-                                  rowmap, y, ldy);                                                             \
+        gemm_q4_body<BN, MODE, S, WG>(w, sc, bi, e_words, e_groups, R, K, glog, I, Is, E, x, ldx, N, ntile, tiles, \
+                                      rowmap, y, ldy);                                                         \
     }
 
-GEMM_Q4(gemm_q4_store, 128, GE_STORE, 3)
-GEMM_Q4(gemm_q4_add, 128, GE_ADD, 3)
-GEMM_Q4(gemm_q4_swiglu, 64, GE_SWIGLU, 4)
-GEMM_Q4(gemm_q4_gstore, 64, GE_GSTORE, 4)
+GEMM_Q4(gemm_q4_store, 128, GE_STORE, 3, true)
+GEMM_Q4(gemm_q4_add, 128, GE_ADD, 3, true)
+GEMM_Q4(gemm_q4_swiglu, 64, GE_SWIGLU, 4, true)
+GEMM_Q4(gemm_q4_gstore, 64, GE_GSTORE, 4, true)
+GEMM_Q4(gemm_q4_store_mma, 128, GE_STORE, 3, false)
+GEMM_Q4(gemm_q4_add_mma, 128, GE_ADD, 3, false)
+GEMM_Q4(gemm_q4_swiglu_mma, 64, GE_SWIGLU, 4, false)
+GEMM_Q4(gemm_q4_gstore_mma, 64, GE_GSTORE, 4, false)
 
 // Shared memory each instantiation needs (the host mirrors these numbers in prefill.rs).
-static_assert(GemmCfg<128, GE_STORE, 3>::SMEM == 3 * (4096 + 128 * 144) + 2 * 128 * 144, "smem");
-static_assert(GemmCfg<64, GE_SWIGLU, 4>::SMEM == 4 * (4096 + 64 * 144) + 2 * 128 * 144, "smem");
+static_assert(GemmCfg<128, GE_STORE, 3, true>::SMEM - 1024 >= 64 * 1024, "split-K sums");
+static_assert(GemmCfg<128, GE_STORE, 3, true>::SMEM == 3 * (4096 + 128 * 128) + 2 * 128 * 128 + 1024, "smem");
+static_assert(GemmCfg<64, GE_SWIGLU, 4, true>::SMEM == 4 * (4096 + 64 * 128) + 2 * 128 * 128 + 1024, "smem");
+static_assert(GemmCfg<128, GE_STORE, 3, false>::SMEM == 3 * (4096 + 128 * 144) + 2 * 128 * 144, "smem");
+static_assert(GemmCfg<64, GE_SWIGLU, 4, false>::SMEM == 4 * (4096 + 64 * 144) + 2 * 128 * 144, "smem");
