@@ -378,8 +378,17 @@ pub fn write_random_mlx_with(
 /// The acceptance knob of a constructed checkpoint (`tern random-model --mtp-accept FIRST[,LATER]`, see
 /// [`Construction`]): `first` is the probability that the MTP block's first draft of a step is right (the token the
 /// main model then produces), `later` the probability that each later draft of a chain is right given that the one
-/// before it was. Per-position acceptance of k drafts is then `first`, `first·later`, `first·later²`, …; vLLM's
-/// published 0.80 / 0.43 for this family is `0.8,0.5375`.
+/// before it was. A draft is accepted when it and every one before it are right, so per-position acceptance as
+/// `tern bench --speculative` prints it (the share of verifies that accepted position i) is `first`, `first·later`,
+/// `first·later²`, …; vLLM's published 0.80 / 0.43 for this family is `0.8,0.5375`.
+///
+/// These are expectations. Each id draws once whether its drafts are right, so a run measures the draws of the ids
+/// it passes, a binomial sample: over m verifies a position's share is within about `sqrt(p(1−p)/m)` of its
+/// expectation. The bench's 64 tokens are ~25 verifies (±0.08): on the full shape, seed 0, they read 0.88 / 0.62 for
+/// `0.8,0.5375`, which is what that stretch of the cycle draws (0.80 / 0.43 over 200k tokens); a run longer than
+/// the cycle reads the same ids again. The draws are independent on purpose: a verify's outcome decides which id
+/// the next one starts from, so draws balanced along the cycle (a fixed share per block of ids) would be read
+/// selectively and bias the shares.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MtpAccept {
     pub first: f64,
@@ -651,7 +660,8 @@ impl Construction {
         self.right(self.index(t), if self.fill.is_some() { 2 } else { 1 })
     }
 
-    /// Whether the draft rule `which` (1: first, 2: later) is right for cycle index `i`.
+    /// Whether the draft rule `which` (1: first, 2: later) is right for cycle index `i`: a draw of its own per id
+    /// and rule, independent of every other (see [`MtpAccept`] on why).
     fn right(&self, i: usize, which: u64) -> bool {
         let p = if which == 1 { self.accept.first } else { self.accept.later };
         let u = (mix(self.seed, self.ids[i] as u64, which) >> 11) as f64 / (1u64 << 53) as f64;
