@@ -25,49 +25,40 @@ mkdir -p "$OUT"
 export TERN_REQUIRE_CUDA=1 PYTHONUNBUFFERED=1
 # the binaries come gzipped (tools/cuda-check.sh); unpack this carry's over any left from an earlier call
 for f in .carry/*.gz; do gunzip -kf "$f"; done
-what=${1:-tests}
-shift || true
-case "$what" in
-tests | ignored)
-  filter=${1:-}
-  summary=""
+# Each carried test binary's tests whose bin::name matches FILTER (an extended regex; empty: all), each in its own
+# process under the command prefix PREFIX... (none, or the sanitizer): run_tests FILTER FLAG LOG SUMMARY LIMIT PREFIX...
+run_tests() {
+  local filter=$1 flag=$2 logf=$3 sumf=$4 limit=$5 summary="" bin name log rc
+  shift 5
   for bin in prefill kernels gpu batch sample; do
-    flag=""
-    [ "$what" = ignored ] && flag="--ignored"
     for name in $(./.carry/$bin --list $flag 2>/dev/null | sed -n 's/: test$//p'); do
       [ -n "$filter" ] && [[ ! "$bin::$name" =~ $filter ]] && continue
       log=$(mktemp)
-      timeout "${TERN_TEST_TIMEOUT:-240}" ./.carry/$bin "$name" --exact --nocapture --test-threads=1 $flag >"$log" 2>&1
+      timeout "$limit" "$@" ./.carry/$bin "$name" --exact --nocapture --test-threads=1 $flag >"$log" 2>&1
       rc=$?
       summary+="$rc $bin::$name"$'\n'
-      { echo "=== $bin::$name rc=$rc"; cat "$log"; } >>"$OUT/tests.log"
+      { echo "=== $bin::$name rc=$rc"; cat "$log"; } >>"$OUT/$logf"
       echo "=== $bin::$name rc=$rc"
       grep -vE '^(running|test result|$)' "$log" | tail -n 12
     done
   done
   echo "=== summary (rc test)"
-  printf '%s' "$summary" | tee "$OUT/summary.txt"
+  printf '%s' "$summary" | tee "$OUT/$sumf"
+}
+what=${1:-tests}
+shift || true
+case "$what" in
+tests | ignored)
+  flag=""
+  [ "$what" = ignored ] && flag="--ignored"
+  run_tests "${1:-}" "$flag" tests.log summary.txt "${TERN_TEST_TIMEOUT:-240}"
   ;;
 racecheck)
   filter=${1:?racecheck needs a test filter (the tests run ~100x slower under the sanitizer)}
   san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   [ -n "$san" ] || { echo "compute-sanitizer not found"; exit 1; }
-  summary=""
-  for bin in prefill kernels gpu batch sample; do
-    for name in $(./.carry/$bin --list 2>/dev/null | sed -n 's/: test$//p'); do
-      [[ ! "$bin::$name" =~ $filter ]] && continue
-      log=$(mktemp)
-      timeout "${TERN_TEST_TIMEOUT:-540}" "$san" --tool racecheck --racecheck-report hazard --error-exitcode 9 \
-        ./.carry/$bin "$name" --exact --nocapture --test-threads=1 >"$log" 2>&1
-      rc=$?
-      summary+="$rc $bin::$name"$'\n'
-      { echo "=== racecheck $bin::$name rc=$rc"; cat "$log"; } >>"$OUT/racecheck.log"
-      echo "=== racecheck $bin::$name rc=$rc"
-      grep -E "RACECHECK SUMMARY|hazard|Error|error" "$log" | head -n 12
-    done
-  done
-  echo "=== summary (rc test)"
-  printf '%s' "$summary" | tee "$OUT/racecheck-summary.txt"
+  run_tests "$filter" "" racecheck.log racecheck-summary.txt "${TERN_TEST_TIMEOUT:-540}" \
+    "$san" --tool racecheck --racecheck-report hazard --error-exitcode 9
   ;;
 moe)
   ./.carry/moe_bench 2>&1 | tee "$OUT/moe_bench.txt"
